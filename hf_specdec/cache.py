@@ -1,0 +1,89 @@
+"""KV caches: feeding a model the tokens its cache has not seen, and the one place caches roll back.
+
+Both models keep a `DynamicCache` that always holds a prefix of the sequence. A model is only ever
+fed the tokens past that prefix (`extend`), so no prefix is re-encoded; after verification both
+caches are cut back to the tokens that survived (`rollback`), called from one place in the loop.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Iterable
+
+import torch
+from transformers import Cache, DynamicCache
+
+
+class UnsupportedCacheError(ValueError):
+    """The cache type cannot be rolled back, or holds state we cannot account for."""
+
+
+def check_cache(cache: object, who: str) -> None:
+    """Only `DynamicCache` is supported: rollback must drop arbitrary trailing positions."""
+    if cache is not None and not isinstance(cache, DynamicCache):
+        raise UnsupportedCacheError(
+            f"hf_specdec supports DynamicCache only, but the {who} got {type(cache).__name__}. "
+            "Static, quantized and offloaded caches cannot be rolled back after a rejected draft token; "
+            "drop `cache_implementation` / the `cache` argument to use the default DynamicCache."
+        )
+
+
+def new_cache(model: torch.nn.Module) -> DynamicCache:
+    return make_rollbackable(DynamicCache(config=model.config))
+
+
+def make_rollbackable(cache: Cache) -> Cache:
+    """Sliding-window and linear-attention layers drop old states eagerly; past recording makes them
+    keep what a later `rollback` needs (transformers' public `Cache.activate_past_recording`)."""
+    cache.activate_past_recording()
+    return cache
+
+
+def cached_length(cache: Cache) -> int:
+    return cache.get_seq_length()
+
+
+def rollback(caches: Iterable[Cache | None], length: int) -> None:
+    """Cut every cache back to its first `length` positions (no-op for a cache already shorter).
+
+    This is the only place where rejected draft tokens leave a cache.
+    """
+    for cache in caches:
+        if cache is not None and (extra := cache.get_seq_length() - length) > 0:
+            cache.crop(-extra)  # transformers >= 5.23: a negative count removes that many positions
+
+
+@functools.lru_cache(maxsize=None)
+def _accepts_logits_to_keep(model_type: type) -> bool:
+    return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+
+
+def extend(
+    model: torch.nn.Module,
+    cache: Cache,
+    input_ids: torch.Tensor,  # [batch, seq]: the whole sequence so far; the cache holds a prefix of it
+    attention_mask: torch.Tensor | None,  # [batch, seq] (1 = real token), or None when nothing is padded
+    num_logits: int,  # how many trailing positions need logits
+) -> torch.Tensor:  # [batch, num_logits, vocab]: raw logits of the last num_logits positions
+    """Run `model` over the tokens of `input_ids` that `cache` has not seen, growing the cache."""
+    past = cache.get_seq_length()
+    new_ids = input_ids[:, past:]  # [batch, seq - past]
+    if new_ids.shape[1] < num_logits:
+        raise RuntimeError(f"asked for {num_logits} logits but only {new_ids.shape[1]} tokens are new")
+    if attention_mask is None:
+        position_ids = torch.arange(past, input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+    else:
+        # Left padding: a token's position counts only the real tokens before it (as generate() does).
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
+    kwargs = {"logits_to_keep": num_logits} if _accepts_logits_to_keep(type(model)) else {}
+    out = model(
+        input_ids=new_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        cache=cache,
+        use_cache=True,
+        return_dict=True,
+        **kwargs,
+    )
+    return out.logits[:, -num_logits:]

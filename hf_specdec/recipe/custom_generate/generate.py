@@ -1,0 +1,18 @@
+"""Directory form of hf_specdec for `model.generate(custom_generate=<path>, trust_remote_code=True)`.
+
+transformers loads this file from `hf_specdec.CUSTOM_GENERATE_DIR` and calls `generate(model=..., **all
+generate() arguments)`, so the standard names work here: `assistant_model=draft`, `streamer=...`.
+It re-enters `model.generate` with the callable form, which does all of generate()'s preparation.
+"""
+
+import hf_specdec
+
+
+def generate(model, assistant_model=None, streamer=None, **kwargs):
+    kwargs.pop("custom_generate", None)
+    kwargs.pop("trust_remote_code", None)
+    if assistant_model is not None:
+        kwargs.setdefault("assistant", assistant_model)
+    if streamer is not None:
+        kwargs.setdefault("spec_streamer", streamer)
+    return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)

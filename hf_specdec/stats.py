@@ -1,0 +1,114 @@
+"""Acceptance statistics: plain data, no transformers import."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Union
+
+# Receives one `RoundRecord` per round: a callable, or a path that gets one JSON object per line.
+AcceptanceSink = Union[Callable[["RoundRecord"], None], str, os.PathLike]
+
+
+@dataclass
+class RoundRecord:
+    """What happened in one round of one row: drafted, accepted, emitted."""
+
+    round: int  # 0-based round index within the generate call
+    row: int  # batch row
+    draft_tokens: list[int]  # proposed by the draft, in order
+    num_accepted: int  # length of the accepted prefix of draft_tokens
+    emitted_tokens: list[int]  # appended to the output (accepted + recovered/bonus, cut at a stop)
+    # Per draft position: sum_t min(p(t), q(t)) = 1 - TV(p, q), the probability that the rule accepts
+    # at that position given the prefix (sampling mode only; None in greedy mode).
+    expected_acceptance: list[float] | None = None
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class AcceptanceStats:
+    """Counters over a generate call. Rates are derived, never stored."""
+
+    rounds: int = 0  # verification rounds (= target forwards)
+    drafted: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    emitted: int = 0  # tokens appended to the output (may be cut short by a stop)
+    draft_forwards: int = 0
+    target_forwards: int = 0
+    draft_seconds: float = 0.0  # wall time inside draft forwards and draft sampling
+    target_seconds: float = 0.0  # wall time inside target forwards
+    # Index i counts draft position i + 1: how often it was drafted, and accepted.
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one row's round."""
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        self.emitted += num_emitted
+        grow = num_drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position.extend([0] * grow)
+            self.accepted_per_position.extend([0] * grow)
+        for i in range(num_drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(num_accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """accepted / drafted (0.0 when nothing was drafted)."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_tokens_per_round(self) -> float:
+        """Tokens emitted per target forward: the speedup if drafting were free."""
+        return self.emitted / self.rounds if self.rounds else 0.0
+
+    @property
+    def per_position_rate(self) -> list[float]:
+        """Accepted / drafted at each draft position (conditional on being reached)."""
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.update(
+            acceptance_rate=self.acceptance_rate,
+            mean_tokens_per_round=self.mean_tokens_per_round,
+            per_position_rate=self.per_position_rate,
+        )
+        return out
+
+    def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
+        """Sum of two sets of counters (e.g. over prompts)."""
+        merged = AcceptanceStats()
+        for name in ("rounds", "drafted", "accepted", "emitted", "draft_forwards", "target_forwards"):
+            setattr(merged, name, getattr(self, name) + getattr(other, name))
+        merged.draft_seconds = self.draft_seconds + other.draft_seconds
+        merged.target_seconds = self.target_seconds + other.target_seconds
+        n = max(len(self.drafted_per_position), len(other.drafted_per_position))
+        pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
+        merged.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position), pad(other.drafted_per_position))]
+        merged.accepted_per_position = [
+            a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))
+        ]
+        return merged
+
+
+def open_sink(sink: AcceptanceSink | None) -> tuple[Callable[[RoundRecord], None] | None, Callable[[], None]]:
+    """Turn a sink argument into (write, close). A path is appended to as JSON Lines."""
+    if sink is None:
+        return None, lambda: None
+    if callable(sink):
+        return sink, lambda: None
+    handle = open(os.fspath(sink), "a", encoding="utf-8")
+
+    def write(record: RoundRecord) -> None:
+        handle.write(json.dumps(record.to_dict()) + "\n")
+
+    return write, handle.close

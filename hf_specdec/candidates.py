@@ -70,9 +70,13 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.num_draft_tokens = num_draft_tokens
         self.do_sample = do_sample
         self.generator = generator
-        self.cache = new_cache(draft_model)
-        self.forwards = 0  # draft forward passes so far
-        self.seconds = 0.0  # wall time in drafting so far
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the previous sequence: a fresh cache and counters (called at the start of generate)."""
+        self.cache = new_cache(self.model)
+        self.forwards = 0  # draft forward passes in this generate call
+        self.seconds = 0.0  # wall time in drafting in this generate call
 
     def get_candidates(
         self,

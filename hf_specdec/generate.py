@@ -77,7 +77,8 @@ def speculative_generate(
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
     config = SpeculativeConfig(
-        num_draft_tokens=num_draft_tokens or SpeculativeConfig.num_draft_tokens, draft_temperature=draft_temperature
+        num_draft_tokens=SpeculativeConfig.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
+        draft_temperature=draft_temperature,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
     do_sample = bool(generation_config.do_sample)
@@ -90,6 +91,8 @@ def speculative_generate(
         candidate_generator = DraftCandidateGenerator(
             assistant, draft_processor, config.num_draft_tokens, do_sample, generator
         )
+    elif isinstance(candidate_generator, DraftCandidateGenerator):
+        candidate_generator.reset()  # a generator passed in may hold the cache of an earlier call
     write_record, close_sink = open_sink(acceptance_sink)
     stats = AcceptanceStats()
     output = _Outputs(generation_config)

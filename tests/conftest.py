@@ -1,0 +1,56 @@
+"""Tiny models built from configs (no downloads), shared by the tests."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+ARCHITECTURES = ("llama", "qwen2", "gpt2")
+
+
+def tiny_model(arch: str = "llama", vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.3, eos=None):
+    """A randomly initialised causal LM small enough to run thousands of times on a CPU.
+
+    `init` is the weight std: 0.3 gives peaked, varied next-token distributions (transformers'
+    0.02 default gives near-uniform ones, which make greedy identity a test of rounding noise).
+    """
+    torch.manual_seed(seed)
+    common = dict(vocab_size=vocab, initializer_range=init, bos_token_id=1, eos_token_id=eos, pad_token_id=0)
+    if arch == "llama":
+        config = LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, **common,
+        )
+        model = LlamaForCausalLM(config)
+    elif arch == "qwen2":
+        config = Qwen2Config(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=1024, **common,
+        )
+        model = Qwen2ForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(n_embd=32, n_layer=layers, n_head=4, n_positions=1024, **common)
+        model = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(arch)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = eos
+    return model.eval()
+
+
+def perturbed(model, noise: float, seed: int = 123):
+    """A draft that agrees with `model` often but not always: its weights plus Gaussian noise."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in draft.parameters():
+            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp_min(1e-3))
+    return draft
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request):
+    return request.param

@@ -1,0 +1,252 @@
+"""End-to-end through `model.generate(custom_generate=...)` on tiny models built from configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_specdec
+from conftest import perturbed, tiny_model
+
+PROMPT = torch.tensor([[1, 5, 9, 2, 7, 3]])
+
+
+def spec(model, draft, **kwargs):
+    return model.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, assistant=draft, **kwargs)
+
+
+# ---------------------------------------------------------------- greedy identity
+
+
+@pytest.mark.parametrize("k", [1, 3, 5, 8])
+def test_greedy_matches_plain_greedy(arch, k):
+    target = tiny_model(arch, seed=1)
+    draft = perturbed(target, noise=0.5)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=40)
+    out = spec(target, draft, num_draft_tokens=k, do_sample=False, max_new_tokens=40, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    # The draft must disagree sometimes, or rollback is never exercised.
+    assert 0 < out.acceptance.accepted < out.acceptance.drafted
+
+
+def test_greedy_with_an_unrelated_draft_and_with_the_target_as_draft(arch):
+    target = tiny_model(arch, seed=2)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=25)
+    for draft in (tiny_model(arch, seed=3, layers=1), target):
+        assert torch.equal(spec(target, draft, do_sample=False, max_new_tokens=25), plain)
+
+
+def test_eos_inside_an_accepted_block_ends_the_sequence_there(arch):
+    target = tiny_model(arch, seed=4)
+    draft = perturbed(target, noise=0.3)
+    free = target.generate(PROMPT, do_sample=False, max_new_tokens=40)[0, PROMPT.shape[1] :].tolist()
+    # An EOS that plain greedy reaches after a few tokens, not at the first one.
+    eos = next(tok for i, tok in enumerate(free) if i >= 3 and tok not in free[:i] and tok != 0)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=40, eos_token_id=eos)
+    out = spec(target, draft, num_draft_tokens=6, do_sample=False, max_new_tokens=40, eos_token_id=eos)
+    assert torch.equal(out, plain)
+    assert out[0, -1].item() == eos and out.shape[1] < PROMPT.shape[1] + 40
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 13])
+def test_max_new_tokens_is_exact_when_it_cuts_a_round(max_new_tokens):
+    target = tiny_model("llama", seed=5)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=max_new_tokens)
+    out = spec(target, target, num_draft_tokens=5, do_sample=False, max_new_tokens=max_new_tokens)
+    assert torch.equal(out, plain)
+    out = spec(target, target, num_draft_tokens=5, do_sample=False, max_length=PROMPT.shape[1] + max_new_tokens)
+    assert torch.equal(out, plain)
+
+
+def test_greedy_with_processors_matches_plain_greedy():
+    target = tiny_model("qwen2", seed=6)
+    draft = perturbed(target, noise=0.4)
+    kwargs = dict(do_sample=False, max_new_tokens=30, repetition_penalty=1.5, no_repeat_ngram_size=2, bad_words_ids=[[4]])
+    assert torch.equal(spec(target, draft, **kwargs), target.generate(PROMPT, **kwargs))
+
+
+def test_user_stopping_criterion_stops_mid_round():
+    class StopAfterToken(StoppingCriteria):
+        def __init__(self, token):
+            self.token = token
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == self.token
+
+    target = tiny_model("llama", seed=7)
+    free = target.generate(PROMPT, do_sample=False, max_new_tokens=30)[0, PROMPT.shape[1] :].tolist()
+    token = next(tok for i, tok in enumerate(free) if i >= 4 and tok not in free[:i])
+    criteria = StoppingCriteriaList([StopAfterToken(token)])
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=30, stopping_criteria=criteria)
+    out = spec(target, target, do_sample=False, max_new_tokens=30, stopping_criteria=criteria)
+    assert torch.equal(out, plain) and out[0, -1].item() == token
+
+
+def test_directory_form_with_standard_argument_names():
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=20)
+    out = target.generate(
+        PROMPT, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft,
+        do_sample=False, max_new_tokens=20, return_dict_in_generate=True,
+    )
+    assert torch.equal(out.sequences, plain) and out.acceptance.rounds > 0
+
+
+# ---------------------------------------------------------------- outputs, streamers, stats
+
+
+class Recorder(BaseStreamer):
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+@pytest.mark.parametrize("form", ["callable", "directory"])
+def test_streamer_receives_prompt_then_tokens_in_order(form):
+    target = tiny_model("llama", seed=9)
+    draft = perturbed(target, noise=0.5)
+    recorder = Recorder()
+    if form == "callable":
+        out = spec(target, draft, do_sample=False, max_new_tokens=20, spec_streamer=recorder)
+    else:
+        out = target.generate(
+            PROMPT, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft,
+            do_sample=False, max_new_tokens=20, streamer=recorder,
+        )
+    assert recorder.chunks[0] == PROMPT[0].tolist()
+    assert sum(recorder.chunks[1:], []) == out[0, PROMPT.shape[1] :].tolist()
+    assert recorder.ended
+
+
+def test_return_types_scores_and_logits_like_transformers():
+    target = tiny_model("gpt2", seed=10)
+    draft = perturbed(target, noise=0.5)
+    assert isinstance(spec(target, draft, do_sample=False, max_new_tokens=5), torch.Tensor)
+    kwargs = dict(do_sample=False, max_new_tokens=12, return_dict_in_generate=True, output_scores=True, output_logits=True)
+    out = spec(target, draft, **kwargs, repetition_penalty=1.3)
+    plain = target.generate(PROMPT, **kwargs, repetition_penalty=1.3)
+    assert isinstance(out, hf_specdec.SpeculativeDecoderOnlyOutput)
+    assert len(out.scores) == len(out.logits) == 12
+    for ours, theirs in zip(out.scores, plain.scores):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    for ours, theirs in zip(out.logits, plain.logits):
+        torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+
+
+def test_acceptance_stats_add_up_and_sink_gets_one_record_per_round(tmp_path):
+    target = tiny_model("llama", seed=11)
+    draft = perturbed(target, noise=0.5)
+    records = []
+    out = spec(
+        target, draft, do_sample=True, max_new_tokens=30, return_dict_in_generate=True,
+        acceptance_sink=records.append, generator=torch.Generator().manual_seed(0),
+    )
+    stats = out.acceptance
+    assert stats.rounds == len(records) == stats.target_forwards
+    assert stats.emitted == 30 == sum(len(r.emitted_tokens) for r in records)
+    assert stats.drafted == sum(len(r.draft_tokens) for r in records) == sum(stats.drafted_per_position)
+    assert stats.accepted == sum(r.num_accepted for r in records) == sum(stats.accepted_per_position)
+    assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
+    assert stats.mean_tokens_per_round == pytest.approx(30 / stats.rounds)
+    emitted = sum((r.emitted_tokens for r in records), [])
+    assert emitted == out.sequences[0, PROMPT.shape[1] :].tolist()
+    assert all(len(r.expected_acceptance) == len(r.draft_tokens) for r in records)
+    assert all(0 <= a <= 1 + 1e-6 for r in records for a in r.expected_acceptance)
+
+    path = tmp_path / "rounds.jsonl"
+    spec(target, draft, do_sample=False, max_new_tokens=10, acceptance_sink=path)
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines and {"round", "draft_tokens", "num_accepted", "emitted_tokens"} <= set(lines[0])
+
+
+def test_seeded_sampling_repeats_and_different_seeds_differ():
+    target = tiny_model("qwen2", seed=12)
+    draft = perturbed(target, noise=0.5)
+
+    def run(seed):
+        return spec(target, draft, do_sample=True, temperature=1.3, max_new_tokens=30, generator=torch.Generator().manual_seed(seed))
+
+    assert torch.equal(run(0), run(0))
+    assert not torch.equal(run(0), run(1))
+    torch.manual_seed(5)
+    a = spec(target, draft, do_sample=True, max_new_tokens=30)
+    torch.manual_seed(5)
+    assert torch.equal(a, spec(target, draft, do_sample=True, max_new_tokens=30))
+
+
+# ---------------------------------------------------------------- forward-call counts
+
+
+class CountingForward:
+    """Wraps a model's forward to record how many tokens each call processes."""
+
+    def __init__(self, model):
+        self.calls = []
+        original = model.forward
+
+        def forward(*args, **kwargs):
+            self.calls.append(kwargs["input_ids"].shape[1])
+            return original(*args, **kwargs)
+
+        model.forward = forward
+
+
+def test_forward_counts_target_once_per_round_and_no_prefix_re_encoded():
+    target = tiny_model("llama", seed=13)
+    draft = perturbed(target, noise=0.5)
+    target_calls, draft_calls = CountingForward(target), CountingForward(draft)
+    k, new = 4, 40
+    records = []
+    out = spec(target, draft, num_draft_tokens=k, do_sample=False, max_new_tokens=new,
+               return_dict_in_generate=True, acceptance_sink=records.append)
+    stats = out.acceptance
+    assert len(target_calls.calls) == stats.rounds
+    # First round: prompt + drafts. Later rounds: the last emitted token + the drafts, never more.
+    assert target_calls.calls[0] == PROMPT.shape[1] + len(records[0].draft_tokens)
+    assert target_calls.calls[1:] == [1 + len(r.draft_tokens) for r in records[1:]]
+    # Draft: one forward per drafted token; the first takes the prompt, then 1 token, or 2 after an
+    # all-accepted round (the last draft token and the bonus token catch up together).
+    assert len(draft_calls.calls) == stats.drafted == stats.draft_forwards
+    assert draft_calls.calls[0] == PROMPT.shape[1]
+    assert set(draft_calls.calls[1:]) <= {1, 2}
+    all_accepted_rounds = sum(
+        r.num_accepted == len(r.draft_tokens) > 0 and len(nxt.draft_tokens) > 0 for r, nxt in zip(records, records[1:])
+    )
+    assert draft_calls.calls.count(2) == all_accepted_rounds
+    # Caches end holding what was verified: no unbounded growth.
+    assert out.cache.get_seq_length() <= out.sequences.shape[1]
+
+
+# ---------------------------------------------------------------- errors that name the problem
+
+
+def test_errors_name_the_problem():
+    target = tiny_model("llama", seed=14)
+    with pytest.raises(ValueError, match="needs a draft model"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, max_new_tokens=3)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        spec(target, tiny_model("llama", vocab=80), max_new_tokens=3)
+    with pytest.raises(ValueError, match="batch size 1"):
+        target.generate(
+            PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate, assistant=target, max_new_tokens=3
+        )
+    with pytest.raises(ValueError, match="beam search"):
+        spec(target, target, num_beams=2, max_new_tokens=3)
+    with pytest.raises(ValueError, match="DynamicCache only"):
+        spec(target, target, max_new_tokens=3, cache_implementation="static")
+    with pytest.raises(ValueError, match="DynamicCache only"):
+        spec(target, target, max_new_tokens=3, cache=StaticCache(config=target.config, max_cache_len=64))
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        spec(target, target, max_new_tokens=3, num_draft_tokens=-1)
+    with pytest.raises(ValueError, match="draft_temperature"):
+        spec(target, target, max_new_tokens=3, do_sample=True, draft_temperature=0.0)

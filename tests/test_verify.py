@@ -1,0 +1,212 @@
+"""Tier 1-3 for the acceptance rule: hand-built cases, a slow reference, Monte Carlo laws."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from scipy import stats
+
+from hf_specdec.verify import PAD_TOKEN, greedy_verification, speculative_sampling
+
+
+def one_hot(indices, vocab):
+    return torch.nn.functional.one_hot(torch.tensor(indices), vocab).float()
+
+
+# ---------------------------------------------------------------- exact, hand-built cases
+
+
+def test_p_equal_q_accepts_everything_and_takes_a_bonus_from_p():
+    probs = torch.tensor([[0.5, 0.3, 0.2, 0.0]] * 4).unsqueeze(0)  # [1, 4, 4]
+    draft_tokens = torch.tensor([[0, 1, 2]])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n, emitted = speculative_sampling(draft_tokens, probs[:, :3], probs, gen)
+        assert n.item() == 3
+        assert emitted[0, :3].tolist() == [0, 1, 2]
+        assert emitted[0, 3].item() in (0, 1, 2)  # bonus drawn from p, never the zero-probability token
+
+
+def test_disjoint_supports_reject_at_once_and_recover_from_p():
+    draft_probs = one_hot([[2, 2]], 4) * 0.5 + one_hot([[3, 3]], 4) * 0.5  # q on {2, 3}
+    target_probs = torch.tensor([[[0.6, 0.4, 0.0, 0.0]] * 3])  # p on {0, 1}
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(50):
+        n, emitted = speculative_sampling(torch.tensor([[2, 3]]), draft_probs, target_probs, gen)
+        assert n.item() == 0
+        assert emitted[0, 0].item() in (0, 1)
+        assert emitted[0, 1:].tolist() == [PAD_TOKEN, PAD_TOKEN]
+
+
+def test_minus_inf_logits_from_top_k_are_never_emitted_and_never_nan():
+    # Target and draft both top-k filtered to 2 tokens (logits -inf elsewhere), same support.
+    logits = torch.tensor([[[2.0, 1.0, -float("inf"), -float("inf")]] * 3])
+    probs = torch.softmax(logits, -1)
+    draft_logits = torch.tensor([[[1.0, 2.0, -float("inf"), -float("inf")]] * 2])
+    draft_probs = torch.softmax(draft_logits, -1)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        draft_tokens = torch.multinomial(draft_probs[0], 1, generator=gen).T  # [1, 2]
+        n, emitted = speculative_sampling(draft_tokens, draft_probs, probs, gen)
+        valid = emitted[0, : n.item() + 1]
+        assert set(valid.tolist()) <= {0, 1}
+
+
+def test_residual_guard_samples_from_p_when_p_equals_q_up_to_rounding():
+    # Force a rejection of a token that p and q both give probability ~0: the residual max(0, p - q)
+    # is all zeros, and the guard must fall back to p instead of producing NaN.
+    p = torch.tensor([[[0.7, 0.3, 0.0]] * 2])
+    q = torch.tensor([[[0.7, 0.3, 0.0]]])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(100):
+        n, emitted = speculative_sampling(torch.tensor([[2]]), q, p, gen)  # p(x) = 0 -> always rejected
+        assert n.item() == 0
+        assert emitted[0, 0].item() in (0, 1)
+
+
+def test_zero_draft_tokens_emit_one_token_from_p():
+    p = torch.tensor([[[0.0, 1.0, 0.0]]])
+    n, emitted = speculative_sampling(torch.empty(1, 0, dtype=torch.long), torch.empty(1, 0, 3), p)
+    assert n.tolist() == [0] and emitted.tolist() == [[1]]
+
+
+def test_point_mass_draft_accepts_with_probability_p_of_x():
+    # q = one-hot(x): acceptance is min(1, p(x)); on rejection the residual is p without x.
+    p = torch.tensor([[[0.25, 0.75, 0.0]] * 2]).expand(20000, 2, 3)
+    q = one_hot([[1]], 3).expand(20000, 1, 3)
+    n, emitted = speculative_sampling(torch.ones(20000, 1, dtype=torch.long), q, p, torch.Generator().manual_seed(1))
+    assert abs(n.float().mean().item() - 0.75) < 0.015  # 5 sigma is 0.015 at n = 20000
+    assert (emitted[n == 0, 0] == 0).all()  # the residual has all its mass on token 0
+
+
+def test_greedy_accepts_while_argmaxes_agree():
+    target_scores = torch.log(one_hot([[3, 1, 2, 0], [3, 1, 2, 0]], 4) + 1e-3)  # argmaxes 3, 1, 2, 0
+    draft_tokens = torch.tensor([[3, 1, 0], [3, 1, 2]])
+    n, emitted = greedy_verification(draft_tokens, target_scores)
+    assert n.tolist() == [2, 3]
+    assert emitted.tolist() == [[3, 1, 2, PAD_TOKEN], [3, 1, 2, 0]]
+
+
+def test_bad_shapes_are_named():
+    with pytest.raises(ValueError, match=r"target distribution must be \[batch=1, k\+1=3"):
+        speculative_sampling(torch.tensor([[0, 1]]), torch.rand(1, 2, 4), torch.rand(1, 2, 4))
+    with pytest.raises(ValueError, match="draft distribution"):
+        speculative_sampling(torch.tensor([[0, 1]]), torch.rand(1, 2, 5), torch.rand(1, 3, 4))
+
+
+# ---------------------------------------------------------------- seeded determinism
+
+
+def test_seeded_runs_repeat():
+    torch.manual_seed(0)
+    p = torch.softmax(torch.randn(64, 5, 10), -1)
+    q = torch.softmax(torch.randn(64, 4, 10), -1)
+    x = torch.multinomial(q.reshape(-1, 10), 1).reshape(64, 4)
+    a = speculative_sampling(x, q, p, torch.Generator().manual_seed(7))
+    b = speculative_sampling(x, q, p, torch.Generator().manual_seed(7))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+# ---------------------------------------------------------------- slow loop reference
+
+
+def reference_sampling(draft_tokens, draft_probs, target_probs, uniforms, extra_sampler):
+    """Algorithm 1 of arXiv:2211.17192 written as a loop over one row, for comparison."""
+    k = len(draft_tokens)
+    for i in range(k):
+        x = draft_tokens[i]
+        if not uniforms[i] < target_probs[i][x] / draft_probs[i][x]:
+            residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
+            residual = residual / residual.sum() if residual.sum() > 1e-6 else target_probs[i]
+            return i, list(draft_tokens[:i]) + [extra_sampler(residual)]
+    return k, list(draft_tokens) + [extra_sampler(target_probs[k])]
+
+
+def test_vectorised_rule_matches_loop_reference():
+    torch.manual_seed(3)
+    batch, k, vocab = 300, 4, 6
+    target = torch.softmax(torch.randn(batch, k + 1, vocab) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, k, vocab) * 2, -1)
+    tokens = torch.multinomial(draft.reshape(-1, vocab), 1).reshape(batch, k)
+    gen = torch.Generator().manual_seed(11)
+    n, emitted = speculative_sampling(tokens, draft, target, gen)
+    # Replay the same random stream: first the [batch, k] uniforms, then one multinomial draw.
+    replay = torch.Generator().manual_seed(11)
+    uniforms = torch.rand(batch, k, generator=replay)
+    for row in range(batch):
+        expected_n, expected_tokens = reference_sampling(
+            tokens[row].tolist(), draft[row], target[row], uniforms[row], lambda dist: None
+        )
+        assert n[row].item() == expected_n
+        assert emitted[row, :expected_n].tolist() == expected_tokens[:expected_n]
+        # The extra token must lie in the support of the reference's extra distribution.
+        i = expected_n
+        extra = emitted[row, i].item()
+        if i < k:
+            residual = (target[row, i] - draft[row, i]).clamp_min(0)
+            assert residual[extra] > 0
+        assert (emitted[row, i + 1 :] == PAD_TOKEN).all()
+
+
+# ---------------------------------------------------------------- Monte Carlo laws
+
+ALPHA = 1e-3  # each chi-square test fails a correct implementation with probability 0.001
+
+
+def chi_square(observed_counts, expected_probs):
+    observed = torch.as_tensor(observed_counts, dtype=torch.float64)
+    probs = torch.as_tensor(expected_probs, dtype=torch.float64)
+    keep = probs > 0
+    assert observed[~keep].sum() == 0, "a zero-probability outcome was observed"
+    expected = probs[keep] / probs[keep].sum() * observed.sum()
+    return stats.chisquare(observed[keep].numpy(), expected.numpy())
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_emitted_token_follows_p_and_acceptance_count_follows_its_law(seed):
+    gen = torch.Generator().manual_seed(seed)
+    k, vocab, samples = 3, 5, 200_000
+    target = torch.softmax(torch.randn(1, k + 1, vocab, generator=gen) * 1.5, -1)
+    draft = torch.softmax(torch.randn(1, k, vocab, generator=gen) * 1.5, -1)
+    tokens = torch.multinomial(draft[0], samples, replacement=True, generator=gen).T  # [samples, k]
+    n, emitted = speculative_sampling(tokens, draft.expand(samples, -1, -1), target.expand(samples, -1, -1), gen)
+
+    # The first emitted token is distributed as p at position 1.
+    first = torch.bincount(emitted[:, 0], minlength=vocab)
+    assert chi_square(first, target[0, 0]).pvalue > ALPHA
+
+    # With position-independent p and q, P(N >= j) = prod_{i <= j} beta_i, beta_i = sum min(p_i, q_i).
+    beta = torch.minimum(target[0, :k], draft[0]).sum(-1).double()
+    survive = torch.cat([torch.ones(1, dtype=torch.float64), beta.cumprod(0)])  # P(N >= j), j = 0..k
+    law = torch.cat([survive[:-1] - survive[1:], survive[-1:]])  # P(N = j)
+    assert chi_square(torch.bincount(n, minlength=k + 1), law).pvalue > ALPHA
+
+
+def test_monte_carlo_detects_a_broken_rule():
+    """The same check fails when acceptance uses a q other than the one sampled from."""
+    gen = torch.Generator().manual_seed(0)
+    vocab, samples = 5, 200_000
+    target = torch.softmax(torch.randn(1, 2, vocab, generator=gen) * 1.5, -1)
+    draft = torch.softmax(torch.randn(1, 1, vocab, generator=gen) * 1.5, -1)
+    wrong_q = torch.softmax(torch.log(draft) / 0.5, -1)  # q sharpened after sampling
+    tokens = torch.multinomial(draft[0], samples, replacement=True, generator=gen).T
+    _, emitted = speculative_sampling(tokens, wrong_q.expand(samples, -1, -1), target.expand(samples, -1, -1), gen)
+    assert chi_square(torch.bincount(emitted[:, 0], minlength=vocab), target[0, 0]).pvalue < ALPHA
+
+
+def test_verify_module_does_not_import_transformers():
+    # Load the pure modules as files: importing them through the package would run hf_specdec/__init__.
+    probe = (
+        "import importlib.util, sys, pathlib\n"
+        "spec = importlib.util.find_spec('hf_specdec')\n"
+        "root = pathlib.Path(spec.origin).parent\n"
+        "for name in ('verify', 'stats', 'config'):\n"
+        "    s = importlib.util.spec_from_file_location(name, root / f'{name}.py')\n"
+        "    m = importlib.util.module_from_spec(s); sys.modules[name] = m; s.loader.exec_module(m)\n"
+        "print('transformers' in sys.modules)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

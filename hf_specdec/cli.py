@@ -1,0 +1,97 @@
+"""`hf-specdec generate "prompt"`: speculative generation on a real pair, beside plain decoding.
+
+This module is the command-line front end (the top of the import chain, like examples/ and
+evals/), so it prints; the library below it only logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+
+import torch
+
+from . import speculative_generate
+from .pair import DRAFT, TARGET, check_same_vocabulary, load_model
+
+DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
+
+
+def sampling_kwargs(temperature: float, top_p: float) -> dict:
+    if temperature <= 0:
+        return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
+    return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+
+
+def chat_inputs(tokenizer, prompt: str, device) -> dict:
+    messages = [{"role": "user", "content": prompt}]
+    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    return {k: v.to(device) for k, v in inputs.items()}
+
+
+def generate_command(args: argparse.Namespace) -> None:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"loading target {args.target} and draft {args.draft} (the first run downloads ~1.6 GB and converts)")
+    target, tokenizer = load_model(args.target, device=args.device)
+    draft, draft_tokenizer = load_model(args.draft, device=args.device)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    inputs = chat_inputs(tokenizer, args.prompt, target.device)
+    common = dict(max_new_tokens=args.max_new_tokens, **sampling_kwargs(args.temperature, args.top_p))
+    spec = dict(custom_generate=speculative_generate, assistant=draft, num_draft_tokens=args.num_draft_tokens)
+
+    # Warm up both paths once, then time them interleaved (plain, speculative, plain, ...).
+    target.generate(**inputs, max_new_tokens=4, do_sample=False)
+    target.generate(**inputs, max_new_tokens=4, do_sample=False, **spec)
+    plain_times, spec_times = [], []
+    for rep in range(args.repeats):
+        torch.manual_seed(rep)
+        start = time.perf_counter()
+        plain = target.generate(**inputs, **common)
+        plain_times.append(time.perf_counter() - start)
+        torch.manual_seed(rep)
+        start = time.perf_counter()
+        out = target.generate(**inputs, **common, **spec, return_dict_in_generate=True)
+        spec_times.append(time.perf_counter() - start)
+
+    prompt_len = inputs["input_ids"].shape[1]
+    print("\n" + tokenizer.decode(out.sequences[0, prompt_len:], skip_special_tokens=True) + "\n")
+    stats = out.acceptance
+    new_tokens = out.sequences.shape[1] - prompt_len
+    plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
+    print(f"tokens generated:        {new_tokens}")
+    print(f"plain decoding:          {plain_s:.2f} s   ({(plain.shape[1] - prompt_len) / plain_s:.1f} tokens/s)")
+    print(f"hf_specdec:              {spec_s:.2f} s   ({new_tokens / spec_s:.1f} tokens/s)")
+    print(f"speedup:                 {plain_s / spec_s:.2f}x (median of {args.repeats} interleaved pair(s))")
+    print(f"acceptance rate:         {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted} draft tokens)")
+    print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds")
+    print(f"acceptance by position:  {' '.join(f'{r:.2f}' for r in stats.per_position_rate)}")
+    if not common["do_sample"]:
+        print(f"identical to plain greedy: {torch.equal(out.sequences, plain)}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="hf-specdec", description="Exact speculative decoding for transformers.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
+    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen.add_argument("--target", default=TARGET.name, help="registry name, local folder or hub id")
+    gen.add_argument("--draft", default=DRAFT.name, help="registry name, local folder or hub id")
+    gen.add_argument("--max-new-tokens", type=int, default=128)
+    gen.add_argument("--num-draft-tokens", type=int, default=5)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
+    gen.add_argument("--top-p", type=float, default=0.95)
+    gen.add_argument("--repeats", type=int, default=1, help="interleaved timing pairs (median reported)")
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    gen.add_argument("-v", "--verbose", action="store_true")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
+    logging.getLogger("hf_specdec.pair").setLevel(logging.INFO)
+    generate_command(args)
+
+
+if __name__ == "__main__":
+    main()

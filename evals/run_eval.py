@@ -1,0 +1,439 @@
+"""Side-by-side evaluation: plain decoding, transformers' assisted generation, transformers' prompt
+lookup decoding and hf_specdec, on Spec-Bench (six tasks) and HumanEval, greedy and sampling.
+
+    python evals/run_eval.py --preset quick                      # real pair, ~20 min on 2 CPU cores
+    accelerate launch --num_processes 2 evals/run_eval.py ...    # prompts split across processes
+    python evals/run_eval.py --target tiny --draft tiny --preset quick --out runs/tiny   # offline check
+
+For every prompt, in one process, the methods run interleaved (plain first, then the others) with
+the same max_new_tokens; speedup = plain time / method time for that prompt, and each category
+reports the median. Writes <out>/records.jsonl (one line per prompt, mode and method),
+<out>/summary.json, <out>/summary.md and PNG plots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
+
+import hf_specdec  # noqa: E402
+from hf_specdec.pair import DRAFT, TARGET, check_same_vocabulary, load_model  # noqa: E402
+
+SPEC_BENCH = HERE / "data" / "spec_bench" / "question.jsonl"
+HUMANEVAL = HERE / "data" / "humaneval" / "HumanEval.jsonl"
+METRIC = HERE / "metrics" / "speculative_acceptance"
+# Spec-Bench's evaluation groups MT-bench's eight categories as one task, "mt_bench".
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
+METHODS = ("plain", "assisted", "prompt_lookup", "hf_specdec")
+MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
+
+
+@dataclass(frozen=True)
+class Preset:
+    prompts_per_category: int | None  # None: every prompt
+    max_new_tokens: int
+
+
+PRESETS = {
+    "quick": Preset(prompts_per_category=2, max_new_tokens=64),  # 14 prompts, ~20 min on 2 cores
+    "full": Preset(prompts_per_category=None, max_new_tokens=128),  # all 644 prompts
+}
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def load_prompts(tokenizer, categories, per_category: int | None) -> list[dict]:
+    """Chat-formatted prompts, `per_category` of each category, evenly spaced through the file."""
+    from datasets import load_dataset
+
+    unknown = set(categories) - set(CATEGORIES)
+    if unknown:
+        raise SystemExit(f"unknown category {sorted(unknown)}; choose from {', '.join(CATEGORIES)}")
+    spec_bench = load_dataset("json", data_files=str(SPEC_BENCH), split="train")
+    humaneval = load_dataset("json", data_files=str(HUMANEVAL), split="train")
+    pools = {c: [] for c in categories}
+    for row in spec_bench:
+        category = "mt_bench" if row["category"] in MT_BENCH else row["category"]
+        if category in pools:
+            pools[category].append((str(row["question_id"]), row["turns"][0]))
+    if "humaneval" in pools:
+        for row in humaneval:
+            text = f"Complete the following Python function.\n\n```python\n{row['prompt']}```"
+            pools["humaneval"].append((row["task_id"], text))
+    prompts = []
+    for category in categories:
+        pool = pools[category]
+        n = len(pool) if per_category is None else min(per_category, len(pool))
+        for i in range(n):
+            prompt_id, text = pool[(i * len(pool)) // n]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            prompts.append(dict(id=prompt_id, category=category, input_ids=ids[0].tolist()))
+    return prompts
+
+
+# ---------------------------------------------------------------- timing
+
+
+class ForwardTimer:
+    """Counts and times every forward of a model (public nn.Module hooks; nothing patched)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.durations: list[float] = []
+        self._start = 0.0
+        model.register_forward_pre_hook(self._pre)
+        model.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.durations.append(time.perf_counter() - self._start)
+
+    def take(self) -> list[float]:
+        out, self.durations = self.durations, []
+        return out
+
+
+def step_time(durations: list[float]) -> float | None:
+    """Median forward time excluding the first (the prefill)."""
+    return statistics.median(durations[1:]) if len(durations) > 1 else None
+
+
+def run_method(method, target, draft, input_ids, mode_kwargs, max_new_tokens, num_draft_tokens, seed):
+    """One generate call: (sequences, seconds, hf_specdec stats or None, per-round records)."""
+    kwargs = dict(max_new_tokens=max_new_tokens, **mode_kwargs)
+    rounds = []
+    if method == "assisted":
+        kwargs["assistant_model"] = draft
+    elif method == "prompt_lookup":
+        kwargs["prompt_lookup_num_tokens"] = 10
+    elif method == "hf_specdec":
+        kwargs.update(
+            custom_generate=hf_specdec.speculative_generate, assistant=draft, num_draft_tokens=num_draft_tokens,
+            return_dict_in_generate=True, acceptance_sink=rounds.append,
+        )
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    seconds = time.perf_counter() - start
+    if method == "hf_specdec":
+        return out.sequences, seconds, out.acceptance, rounds
+    return out, seconds, None, rounds
+
+
+def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_tokens, num_draft_tokens, index):
+    device = target.device
+    input_ids = torch.tensor([prompt["input_ids"]], device=device)
+    records = []
+    for mode in modes:
+        plain_out, plain_seconds, plain_target_steps = None, None, None
+        for method in methods:
+            timers["target"].take(), timers["draft"].take()
+            try:
+                seqs, seconds, stats, rounds = run_method(
+                    method, target, draft, input_ids, MODES[mode], max_new_tokens, num_draft_tokens, seed=index
+                )
+            except (ValueError, NotImplementedError) as err:  # e.g. a method that does not support sampling
+                records.append(dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method,
+                                    error=str(err).splitlines()[0]))
+                continue
+            target_d, draft_d = timers["target"].take(), timers["draft"].take()
+            new_tokens = seqs.shape[1] - input_ids.shape[1]
+            record = dict(
+                id=prompt["id"], category=prompt["category"], mode=mode, method=method,
+                prompt_tokens=input_ids.shape[1], new_tokens=new_tokens, seconds=seconds,
+                target_forwards=len(target_d), draft_forwards=len(draft_d),
+                target_step_s=step_time(target_d), draft_step_s=step_time(draft_d),
+                tokens_per_target_forward=new_tokens / max(1, len(target_d)),
+            )
+            if method == "plain":
+                plain_out, plain_seconds, plain_target_steps = seqs, seconds, record["target_step_s"]
+            else:
+                record["speedup"] = plain_seconds / seconds if plain_seconds else None
+                if mode == "greedy" and plain_out is not None:
+                    record["matches_plain"] = bool(torch.equal(seqs, plain_out))
+                record.update(_acceptance(method, record, stats, rounds))
+                record["cost_ratio"] = (
+                    record["draft_step_s"] / plain_target_steps if record["draft_step_s"] and plain_target_steps else None
+                )
+                record["predicted_speedup"] = _predicted_speedup(record, plain_target_steps)
+            records.append(record)
+    return records
+
+
+def _acceptance(method, record, stats, rounds) -> dict:
+    if method == "hf_specdec":
+        return dict(
+            drafted=stats.drafted, accepted=stats.accepted, rounds=stats.rounds,
+            acceptance_rate=stats.acceptance_rate, per_position_drafted=stats.drafted_per_position,
+            per_position_accepted=stats.accepted_per_position,
+            round_log=[(len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)) for r in rounds],
+        )
+    if method == "assisted":
+        # Each target forward verifies one block and emits accepted + 1 tokens; each draft forward
+        # proposes one token (approximate: transformers does not report what it drafted).
+        accepted = record["new_tokens"] - record["target_forwards"]
+        drafted = max(1, record["draft_forwards"])
+        return dict(drafted=drafted, accepted=accepted, acceptance_rate=max(0, accepted) / drafted)
+    return {}
+
+
+def _predicted_speedup(record, plain_step) -> float | None:
+    """Cost model: plain needs one target step per token; a method spends draft_forwards draft steps
+    and target_forwards verification steps for the same tokens (steps timed in this run)."""
+    if not plain_step or not record["target_step_s"]:
+        return None
+    spent = record["target_forwards"] * record["target_step_s"] + record["draft_forwards"] * (record["draft_step_s"] or 0.0)
+    return record["new_tokens"] * plain_step / spent
+
+
+# ---------------------------------------------------------------- summary
+
+
+def geometric_mean(values):
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def summarise(records, metric) -> dict:
+    summary = {}
+    for mode in MODES:
+        for method in METHODS:
+            if method == "plain":
+                continue
+            per_category = {}
+            for category in CATEGORIES:
+                rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, method, category)]
+                if not rows:
+                    continue
+                ok = [r for r in rows if "error" not in r]
+                if not ok:
+                    per_category[category] = dict(prompts=len(rows), error=rows[0]["error"])
+                    continue
+                entry = dict(
+                    prompts=len(ok),
+                    median_speedup=statistics.median(r["speedup"] for r in ok),
+                    tokens_per_target_forward=sum(r["new_tokens"] for r in ok) / sum(r["target_forwards"] for r in ok),
+                    predicted_speedup=_median([r["predicted_speedup"] for r in ok]),
+                    cost_ratio=_median([r["cost_ratio"] for r in ok]),
+                )
+                if "drafted" in ok[0]:
+                    entry["acceptance_rate"] = sum(max(0, r["accepted"]) for r in ok) / max(1, sum(r["drafted"] for r in ok))
+                if method == "hf_specdec":
+                    log = [step for r in ok for step in r["round_log"]]
+                    entry["metric"] = metric.compute(
+                        drafted=[d for d, _, _ in log], accepted=[a for _, a, _ in log], emitted=[e for _, _, e in log],
+                        seconds=sum(r["seconds"] for r in ok),
+                        baseline_seconds=sum(r["seconds"] / r["speedup"] for r in ok),
+                    )
+                if mode == "greedy":
+                    entry["all_match_plain"] = all(r.get("matches_plain", False) for r in ok)
+                per_category[category] = entry
+            if per_category:
+                summary.setdefault(mode, {})[method] = dict(
+                    categories=per_category,
+                    geomean_speedup=geometric_mean(v.get("median_speedup") for v in per_category.values()),
+                )
+    return summary
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def markdown_table(summary) -> str:
+    lines = []
+    for mode, methods in summary.items():
+        lines += [f"### {mode}", "", "| method | category | speedup | acceptance | tokens/target fwd | cost ratio | predicted | greedy match |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for method, block in methods.items():
+            for category, e in block["categories"].items():
+                if "error" in e:
+                    lines.append(f"| {method} | {category} | n/a ({e['error'][:60]}) | | | | | |")
+                    continue
+                lines.append(
+                    f"| {method} | {category} | {e['median_speedup']:.2f}x | {_fmt(e.get('acceptance_rate'))} | "
+                    f"{e['tokens_per_target_forward']:.2f} | {_fmt(e.get('cost_ratio'))} | {_fmt(e.get('predicted_speedup'), 'x')} | "
+                    f"{'yes' if e.get('all_match_plain') else ('NO' if 'all_match_plain' in e else '-')} |"
+                )
+            if block["geomean_speedup"]:
+                lines.append(f"| {method} | **geomean** | **{block['geomean_speedup']:.2f}x** | | | | | |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _fmt(value, suffix=""):
+    return "-" if value is None else f"{value:.2f}{suffix}"
+
+
+def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # 1. Speedup by category, one panel per mode.
+    fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4), squeeze=False)
+    for ax, (mode, methods) in zip(axes[0], summary.items()):
+        width = 0.8 / max(1, len(methods))
+        for j, (method, block) in enumerate(methods.items()):
+            values = [block["categories"].get(c, {}).get("median_speedup") or 0 for c in CATEGORIES]
+            ax.bar([i + j * width for i in range(len(CATEGORIES))], values, width, label=method)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CATEGORIES))], CATEGORIES, rotation=30, ha="right")
+        ax.set_ylabel("speedup over plain (median)")
+        ax.set_title(mode)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "speedup_by_category.png", dpi=120)
+    plt.close(fig)
+
+    # 2. hf_specdec acceptance by draft position, per category and mode.
+    fig, axes = plt.subplots(1, len(MODES), figsize=(12, 4), squeeze=False)
+    for ax, mode in zip(axes[0], MODES):
+        for category in CATEGORIES:
+            rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, "hf_specdec", category)]
+            rows = [r for r in rows if "error" not in r]
+            if not rows:
+                continue
+            k = max(len(r["per_position_drafted"]) for r in rows)
+            drafted = [sum(r["per_position_drafted"][i] for r in rows if i < len(r["per_position_drafted"])) for i in range(k)]
+            accepted = [sum(r["per_position_accepted"][i] for r in rows if i < len(r["per_position_accepted"])) for i in range(k)]
+            ax.plot(range(1, k + 1), [a / d if d else 0 for a, d in zip(accepted, drafted)], marker="o", label=category)
+        ax.set_xlabel("draft position")
+        ax.set_ylabel("accepted / reached")
+        ax.set_ylim(0, 1.05)
+        ax.set_title(f"hf_specdec, {mode}")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "acceptance_by_position.png", dpi=120)
+    plt.close(fig)
+
+    # 3. Measured tokens per round against the geometric law (1 - a^(k+1)) / (1 - a).
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    curve_a = [i / 100 for i in range(100)]
+    ax.plot(curve_a, [(1 - a ** (num_draft_tokens + 1)) / (1 - a) for a in curve_a], color="black", label=f"(1-a^(k+1))/(1-a), k={num_draft_tokens}")
+    for mode, marker in zip(MODES, "os"):
+        rows = [r for r in records if r["mode"] == mode and r["method"] == "hf_specdec" and "error" not in r]
+        ax.scatter([r["acceptance_rate"] for r in rows], [r["new_tokens"] / r["rounds"] for r in rows], marker=marker, label=mode, alpha=0.7)
+    ax.set_xlabel("acceptance rate a (per prompt)")
+    ax.set_ylabel("tokens per round (measured)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_round_vs_geometric.png", dpi=120)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- main
+
+
+def load_pair(target_name, draft_name, device, device_map):
+    if target_name == "tiny" or draft_name == "tiny":
+        from tiny import tiny_pair
+
+        target, draft, tokenizer = tiny_pair()
+        return target.to(device), draft.to(device), tokenizer
+    target, tokenizer = load_model(target_name, device=None if device_map else device)
+    draft, draft_tokenizer = load_model(draft_name, device=device)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    return target, draft, tokenizer
+
+
+def main(target, draft, preset, categories, modes, methods, out, num_draft_tokens, prompts_per_category,
+         max_new_tokens, device_map, threads):
+    import evaluate
+    from accelerate import Accelerator
+    from accelerate.utils import gather_object
+    from tqdm.auto import tqdm
+
+    if threads:
+        torch.set_num_threads(threads)
+    accelerator = Accelerator(cpu=not torch.cuda.is_available())
+    settings = PRESETS[preset]
+    per_category = prompts_per_category if prompts_per_category is not None else settings.prompts_per_category
+    max_new_tokens = max_new_tokens or settings.max_new_tokens
+    bad = set(methods) - set(METHODS)
+    if bad or "plain" not in methods:
+        raise SystemExit(f"methods must include plain and come from {', '.join(METHODS)}; got {methods}")
+    bad = set(modes) - set(MODES)
+    if bad:
+        raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
+
+    target_model, draft_model, tokenizer = load_pair(target, draft, accelerator.device, device_map)
+    prompts = load_prompts(tokenizer, categories, per_category)
+    timers = {"target": ForwardTimer(target_model), "draft": ForwardTimer(draft_model)}
+    # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
+    evaluate_prompt(prompts[0], target_model, draft_model, timers, modes, methods, 8, num_draft_tokens, 0)
+
+    records = []
+    with accelerator.split_between_processes(list(enumerate(prompts))) as local:
+        bar = tqdm(local, desc=f"rank {accelerator.process_index}", disable=not accelerator.is_local_main_process)
+        for index, prompt in bar:
+            records += evaluate_prompt(
+                prompt, target_model, draft_model, timers, modes, methods, max_new_tokens, num_draft_tokens, index
+            )
+            spec = [r for r in records if r["method"] == "hf_specdec" and "speedup" in r]
+            if spec:
+                bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
+    records = gather_object(records)
+    if not accelerator.is_main_process:
+        return None
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    metric = evaluate.load(str(METRIC))
+    summary = summarise(records, metric)
+    config = dict(target=target, draft=draft, preset=preset, categories=list(categories), modes=list(modes),
+                  methods=list(methods), num_draft_tokens=num_draft_tokens, prompts_per_category=per_category,
+                  max_new_tokens=max_new_tokens, processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),
+                  torch=torch.__version__, transformers=__import__("transformers").__version__)
+    with open(out / "records.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps(r) + "\n")
+    (out / "summary.json").write_text(json.dumps(dict(config=config, summary=summary), indent=2))
+    table = markdown_table(summary)
+    (out / "summary.md").write_text(f"# Evaluation ({preset}, {len(prompts)} prompts, {max_new_tokens} new tokens)\n\n{table}\n")
+    plot(records, summary, out, num_draft_tokens)
+    print(table)
+    print(f"wrote {out}/records.jsonl, summary.json, summary.md and plots")
+    return summary
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
+    parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
+    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), metavar="CATEGORY")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
+    parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
+    parser.add_argument("--out", default="runs/eval")
+    parser.add_argument("--num-draft-tokens", type=int, default=hf_specdec.SpeculativeConfig.num_draft_tokens)
+    parser.add_argument("--prompts-per-category", type=int, default=None, help="override the preset")
+    parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
+    parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = parse_args()
+    main(args.target, args.draft, args.preset, args.categories, args.modes, args.methods, args.out,
+         args.num_draft_tokens, args.prompts_per_category, args.max_new_tokens, args.device_map, args.threads)

@@ -2,7 +2,8 @@
 lookup decoding and hf_specdec, on Spec-Bench (six tasks) and HumanEval, greedy and sampling.
 
     python evals/run_eval.py --preset quick                      # real pair, ~20 min on 2 CPU cores
-    accelerate launch --num_processes 2 evals/run_eval.py ...    # prompts split across processes
+    accelerate launch --multi_gpu --num_processes 2 evals/run_eval.py ...   # prompts split across
+                                                                  # processes (CPU-only: torchrun + gloo)
     python evals/run_eval.py --target tiny --draft tiny --preset quick --out runs/tiny   # offline check
 
 For every prompt, in one process, the methods run interleaved (plain first, then the others) with

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from .cache import extend, new_cache
-from .sampling import Processor, process_logits, select_token
+from .sampling import Processor, process_logits, row_pipelines, select_token
 
 # Warpers that must see the temperature-scaled scores (transformers applies temperature first).
 _AFTER_TEMPERATURE = (
@@ -75,26 +75,38 @@ class DraftCandidateGenerator(CandidateGenerator):
     def reset(self) -> None:
         """Forget the previous sequence: a fresh cache and counters (called at the start of generate)."""
         self.cache = new_cache(self.model)
+        self.row_processors: list | None = None  # per-row pipelines, for batches (see `prepare_batch`)
         self.forwards = 0  # draft forward passes in this generate call
         self.seconds = 0.0  # wall time in drafting in this generate call
+
+    def prepare_batch(self, batch_size: int) -> None:
+        """Per-row processor pipelines, for rows that have generated different numbers of tokens."""
+        self.row_processors = row_pipelines(self.logits_processor, batch_size) if batch_size > 1 else None
 
     def get_candidates(
         self,
         input_ids: torch.LongTensor,  # [batch, seq]
-        attention_mask: torch.Tensor | None = None,  # [batch, seq], None when nothing is padded
+        attention_mask: torch.Tensor | None = None,  # [batch, seq]: 0 for padding and holes; None if none
         num_tokens: int | None = None,  # fewer than num_draft_tokens near max_length
+        prefixes: list[torch.Tensor] | None = None,  # per row, the real sequence (for the processors)
+        rows: list[int] | None = None,  # original batch index of each row (with `prefixes`)
     ) -> tuple[torch.LongTensor, torch.Tensor]:  # [batch, seq + k], [batch, k, vocab]
+        """Draft k tokens per row. `input_ids` may contain masked holes (batched decoding); the
+        logits processors then see each row's real sequence, `prefixes`, plus its drafts so far."""
         k = self.num_draft_tokens if num_tokens is None else min(num_tokens, self.num_draft_tokens)
         start = time.perf_counter()
-        ids, mask, scores = input_ids, attention_mask, []
+        ids, mask, scores, drafts = input_ids, attention_mask, [], []
+        processor = self.logits_processor if prefixes is None else [self.row_processors[r] for r in rows]
         for _ in range(k):
             # Forward over what the draft cache lacks: the whole prompt on the first round, then the
             # last emitted token (plus the last draft token after an all-accepted round), then one.
             logits = extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1]  # [batch, vocab]
             self.forwards += 1
-            step_scores = process_logits(self.logits_processor, ids, logits)  # [batch, vocab]
+            step_prefixes = ids if prefixes is None else _with_drafts(prefixes, drafts)
+            step_scores = process_logits(processor, step_prefixes, logits)  # [batch, vocab]
             token = select_token(step_scores, self.do_sample, self.generator)  # [batch]
             scores.append(step_scores)
+            drafts.append(token)
             ids = torch.cat([ids, token[:, None]], dim=-1)
             if mask is not None:
                 mask = torch.nn.functional.pad(mask, (0, 1), value=1)
@@ -105,3 +117,11 @@ class DraftCandidateGenerator(CandidateGenerator):
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Constant draft length for now; adaptive drafting hooks in here."""
+
+
+def _with_drafts(prefixes: list[torch.Tensor], drafts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Row b's real sequence followed by its draft tokens so far."""
+    if not drafts:
+        return prefixes
+    drafted = torch.stack(drafts, dim=1)  # [batch, i]
+    return [torch.cat([p, drafted[b]]) for b, p in enumerate(prefixes)]

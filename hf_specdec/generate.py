@@ -23,10 +23,11 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
+from .batch import RaggedBatch
 from .cache import check_cache, extend, make_rollbackable, new_cache, rollback
 from .candidates import DraftCandidateGenerator, with_draft_temperature
 from .config import SpeculativeConfig
-from .sampling import logits_to_probs, process_logits
+from .sampling import logits_to_probs, process_logits, row_pipelines
 from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import greedy_verification, speculative_sampling
 
@@ -37,7 +38,8 @@ logger = logging.getLogger(__name__)
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     """transformers' decoder-only generate output, plus `acceptance` (an `AcceptanceStats`)."""
 
-    acceptance: AcceptanceStats | None = None
+    acceptance: AcceptanceStats | None = None  # the whole batch
+    acceptance_per_row: list[AcceptanceStats] | None = None  # one per input row
 
 
 def speculative_generate(
@@ -81,9 +83,10 @@ def speculative_generate(
         draft_temperature=draft_temperature,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
+    if input_ids.shape[0] > 1 and (streamer is not None or spec_streamer is not None):
+        raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     do_sample = bool(generation_config.do_sample)
     target_cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
-    attention_mask = model_kwargs.get("attention_mask")  # [batch, seq] or None (generate drops all-ones masks)
     if candidate_generator is None:
         draft_processor = logits_processor
         if config.draft_temperature is not None and do_sample:
@@ -93,85 +96,107 @@ def speculative_generate(
         )
     elif isinstance(candidate_generator, DraftCandidateGenerator):
         candidate_generator.reset()  # a generator passed in may hold the cache of an earlier call
+    # Rows that accepted different numbers of tokens get their processors applied row by row.
+    target_rows = row_pipelines(logits_processor, input_ids.shape[0]) if input_ids.shape[0] > 1 else None
+    if isinstance(candidate_generator, DraftCandidateGenerator):
+        candidate_generator.prepare_batch(input_ids.shape[0])
+    caches = (target_cache, getattr(candidate_generator, "cache", None))
+    # generate() drops an all-ones attention mask; a batch needs one (for holes) all the same.
+    batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"))
     write_record, close_sink = open_sink(acceptance_sink)
     stats = AcceptanceStats()
-    output = _Outputs(generation_config)
+    row_stats = [AcceptanceStats() for _ in range(input_ids.shape[0])]
+    output = _Outputs(generation_config, input_ids.shape[0])
     if streamer is None and spec_streamer is not None:
         # generate() already sent the prompt to a `streamer=` it forwards; not to ours.
         streamer = spec_streamer
         streamer.put(input_ids.cpu())
 
     try:
-        while True:
-            prefix_len = input_ids.shape[1]
-            # Never draft past max_length: the round emits at most k + 1 tokens.
-            k = max(0, min(config.num_draft_tokens, generation_config.max_length - prefix_len - 1))
+        while batch.size:
+            seq_len = batch.ids.shape[1]
+            # Never draft past max_length: a round emits at most k + 1 tokens per row.
+            k = max(0, min(config.num_draft_tokens, batch.remaining(generation_config.max_length) - 1))
+            real = batch.real_sequences()  # what processors see: tensor, or one sequence per row
+            processor = logits_processor if isinstance(real, torch.Tensor) else [target_rows[r] for r in batch.rows]
 
-            # 1. Draft: k candidate tokens and the processed draft scores they were drawn from.
+            # 1. Draft: k candidate tokens per row and the processed draft scores they were drawn from.
             draft_start = time.perf_counter()
-            candidate_ids, draft_scores = _get_candidates(candidate_generator, input_ids, attention_mask, k)
+            candidate_ids, draft_scores = _get_candidates(candidate_generator, batch, k, real)
             draft_seconds = time.perf_counter() - draft_start
-            draft_tokens = candidate_ids[:, prefix_len:]  # [batch, k]
+            draft_tokens = candidate_ids[:, seq_len:]  # [active, k]
             k = draft_tokens.shape[1]
-            candidate_mask = _pad_mask(attention_mask, k)
 
-            # 2. Verify: one target forward over the last emitted token(s) plus the k drafts; then the
-            #    target's scores at each of the k + 1 positions, each with its own prefix.
+            # 2. Verify: one target forward over the pending column(s) plus the k drafts; then the
+            #    target's scores at each of the k + 1 positions, each with its row's own prefix.
             target_start = time.perf_counter()
-            target_logits = extend(model, target_cache, candidate_ids, candidate_mask, num_logits=k + 1)
+            target_logits = extend(model, target_cache, candidate_ids, _pad_mask(batch.mask, k), num_logits=k + 1)
             target_scores = torch.stack(
                 [
-                    process_logits(logits_processor, candidate_ids[:, : prefix_len + i], target_logits[:, i])
+                    process_logits(processor, _prefixes(real, draft_tokens[:, :i]), target_logits[:, i])
                     for i in range(k + 1)
                 ],
                 dim=1,
-            )  # [batch, k + 1, vocab]
+            )  # [active, k + 1, vocab]
             target_seconds = time.perf_counter() - target_start
 
-            # 3. Accept: the longest acceptable prefix plus one recovered or bonus token.
+            # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
             draft_probs = _draft_probs(draft_scores, draft_tokens, target_scores.shape[-1]) if do_sample else None
             if do_sample:
-                target_probs = logits_to_probs(target_scores)  # [batch, k + 1, vocab]
+                target_probs = logits_to_probs(target_scores)  # [active, k + 1, vocab]
                 num_accepted, emitted = speculative_sampling(draft_tokens, draft_probs, target_probs, generator)
             else:
                 num_accepted, emitted = greedy_verification(draft_tokens, target_scores)
 
-            # 4. Roll back: both caches keep the prefix plus the accepted drafts (batch 1: row 0).
-            n = int(num_accepted[0])
-            rollback((target_cache, getattr(candidate_generator, "cache", None)), prefix_len + n)
-            candidate_generator.update_candidate_strategy(input_ids, target_scores, n)
+            # 4. Roll back: both caches keep the draft columns some row accepted (the others' slots
+            #    there become masked holes); columns every row rejected are cropped.
+            m = int(num_accepted.max())
+            rollback(caches, seq_len + m)
+            rows = torch.arange(batch.size, device=emitted.device)
+            batch.append_round(draft_tokens[:, :m], num_accepted, emitted[rows, num_accepted])
+            candidate_generator.update_candidate_strategy(batch.ids, target_scores, m)
 
-            # 5. Emit, token by token through the stopping criteria, so a stop inside the block
-            #    (EOS, max_length, a user criterion) ends the sequence exactly there.
-            input_ids, num_emitted, finished = _append_until_stop(
-                input_ids, emitted[:, : n + 1], target_scores, stopping_criteria
-            )
-            attention_mask = _pad_mask(attention_mask, num_emitted)
-            output.add(target_scores[:, :num_emitted], target_logits[:, :num_emitted])
-            if streamer is not None:
-                streamer.put(input_ids[0, -num_emitted:].cpu())
+            # 5. Emit, row by row and token by token through the stopping criteria, so that a stop
+            #    inside the block (EOS, max_length, a user criterion) ends that row exactly there.
+            finished = []
+            for i, row in enumerate(batch.rows):
+                n = int(num_accepted[i])
+                num_emitted, done = _emit(batch, i, emitted[i, : n + 1].tolist(), target_scores[i], stopping_criteria)
+                finished.append(done)
+                output.add(row, target_scores[i, :num_emitted], target_logits[i, :num_emitted])
+                if streamer is not None:
+                    streamer.put(torch.tensor(batch.generated[row][-num_emitted:]))
 
-            # 6. Record.
+                # 6. Record.
+                for counters in (stats, row_stats[row]):
+                    counters.record(k, n, num_emitted)
+                row_stats[row].rounds += 1
+                if write_record is not None:
+                    write_record(
+                        RoundRecord(
+                            round=stats.rounds,
+                            row=row,
+                            draft_tokens=draft_tokens[i].tolist(),
+                            num_accepted=n,
+                            emitted_tokens=batch.generated[row][-num_emitted:],
+                            expected_acceptance=_expected_acceptance(draft_probs, target_scores, i),
+                            draft_seconds=draft_seconds,
+                            target_seconds=target_seconds,
+                        )
+                    )
             stats.rounds += 1
             stats.target_forwards += 1
             stats.draft_seconds += draft_seconds
             stats.target_seconds += target_seconds
-            stats.record(k, n, num_emitted)
-            if write_record is not None:
-                write_record(
-                    RoundRecord(
-                        round=stats.rounds - 1,
-                        row=0,
-                        draft_tokens=draft_tokens[0].tolist(),
-                        num_accepted=n,
-                        emitted_tokens=input_ids[0, -num_emitted:].tolist(),
-                        expected_acceptance=_expected_acceptance(draft_probs, target_scores),
-                        draft_seconds=draft_seconds,
-                        target_seconds=target_seconds,
-                    )
-                )
-            if finished:
-                break
+
+            # 7. Finished rows leave the batch; holes are compacted away when they pile up.
+            if any(finished):
+                keep = torch.tensor([i for i, done in enumerate(finished) if not done], dtype=torch.long)
+                batch.select(keep.to(batch.ids.device), caches)
+            if batch.should_compact():
+                cached = min(c.get_seq_length() for c in caches if c is not None)
+                rollback(caches, cached)
+                batch.compact(caches, cached)
     finally:
         close_sink()
     stats.draft_forwards = getattr(candidate_generator, "forwards", 0)
@@ -184,27 +209,44 @@ def speculative_generate(
         stats.mean_tokens_per_round,
     )
 
+    sequences = batch.sequences(_pad_token_id(generation_config))
     if not generation_config.return_dict_in_generate:
-        return input_ids
+        return sequences
+    scores, logits = output.stacked()
     return SpeculativeDecoderOnlyOutput(
-        sequences=input_ids, scores=output.scores, logits=output.logits, cache=target_cache, acceptance=stats
+        sequences=sequences,
+        scores=scores,
+        logits=logits,
+        cache=target_cache,
+        acceptance=stats,
+        acceptance_per_row=row_stats,
     )
 
 
 def _get_candidates(
     candidate_generator: CandidateGenerator,
-    input_ids: torch.Tensor,  # [batch, seq]
-    attention_mask: torch.Tensor | None,
+    batch: RaggedBatch,
     k: int,
-) -> tuple[torch.Tensor, torch.Tensor | None]:  # [batch, seq + k'], [batch, k', vocab] or None
+    real: torch.Tensor | list[torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # [active, seq + k'], [active, k', vocab] or None
     if k == 0:
-        return input_ids, None
+        return batch.ids, None
     if isinstance(candidate_generator, DraftCandidateGenerator):
-        return candidate_generator.get_candidates(input_ids, attention_mask, num_tokens=k)
-    candidate_ids, candidate_logits = candidate_generator.get_candidates(input_ids)
+        prefixes = None if isinstance(real, torch.Tensor) else real
+        return candidate_generator.get_candidates(batch.ids, batch.mask, num_tokens=k, prefixes=prefixes, rows=batch.rows)
+    candidate_ids, candidate_logits = candidate_generator.get_candidates(batch.ids)
     # A foreign generator may propose more than fits before max_length: keep the first k.
-    keep = input_ids.shape[1] + k
+    keep = batch.ids.shape[1] + k
     return candidate_ids[:, :keep], None if candidate_logits is None else candidate_logits[:, :k]
+
+
+def _prefixes(
+    real: torch.Tensor | list[torch.Tensor],  # [active, seq], or one [len_b] per row
+    drafts: torch.Tensor,  # [active, i]: the drafts before the position being scored
+) -> torch.Tensor | list[torch.Tensor]:
+    if isinstance(real, torch.Tensor):
+        return torch.cat([real, drafts], dim=1)
+    return [torch.cat([r, drafts[b]]) for b, r in enumerate(real)]
 
 
 def _draft_probs(
@@ -221,30 +263,42 @@ def _draft_probs(
 
 
 def _expected_acceptance(
-    draft_probs: torch.Tensor | None,  # [batch, k, vocab]
-    target_scores: torch.Tensor,  # [batch, k + 1, vocab]
+    draft_probs: torch.Tensor | None,  # [active, k, vocab]
+    target_scores: torch.Tensor,  # [active, k + 1, vocab]
+    i: int,
 ) -> list[float] | None:
-    """sum_t min(p(t), q(t)) per draft position of row 0 (sampling only)."""
+    """sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling only)."""
     if draft_probs is None:
         return None
     k = draft_probs.shape[1]
-    target_probs = logits_to_probs(target_scores[:, :k])
-    return torch.minimum(target_probs, draft_probs).sum(-1)[0].tolist()
+    target_probs = logits_to_probs(target_scores[i, :k])
+    return torch.minimum(target_probs, draft_probs[i]).sum(-1).tolist()
 
 
-def _append_until_stop(
-    input_ids: torch.Tensor,  # [batch, seq]
-    emitted: torch.Tensor,  # [batch, n]
-    scores: torch.Tensor,  # [batch, >= n, vocab]
+def _emit(
+    batch: RaggedBatch,
+    i: int,  # active row
+    tokens: list[int],  # accepted tokens plus the recovered/bonus token
+    scores: torch.Tensor,  # [>= len(tokens), vocab]: the target scores they were chosen under
     stopping_criteria: StoppingCriteriaList,
-) -> tuple[torch.Tensor, int, bool]:
-    """Append emitted tokens one at a time; stop right after the first token a criterion stops on."""
-    prefix_len = input_ids.shape[1]
-    extended = torch.cat([input_ids, emitted], dim=-1)
-    for j in range(emitted.shape[1]):
-        if stopping_criteria(extended[:, : prefix_len + j + 1], scores[:, j]).all():
-            return extended[:, : prefix_len + j + 1], j + 1, True
-    return extended, emitted.shape[1], False
+) -> tuple[int, bool]:
+    """Append tokens to row i one at a time; stop right after the first a criterion stops on."""
+    generated = batch.generated[batch.rows[i]]
+    for j, token in enumerate(tokens):
+        generated.append(token)
+        if bool(stopping_criteria(batch.real_sequence(i), scores[j : j + 1]).all()):
+            return j + 1, True
+    return len(tokens), False
+
+
+def _pad_token_id(generation_config: GenerationConfig) -> int:
+    """Finished rows are padded like transformers pads them: pad token, else EOS."""
+    for candidate in (generation_config.pad_token_id, generation_config.eos_token_id):
+        if isinstance(candidate, (list, tuple)):
+            candidate = candidate[0] if candidate else None
+        if candidate is not None:
+            return int(candidate)
+    return 0
 
 
 def _pad_mask(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
@@ -252,18 +306,34 @@ def _pad_mask(mask: torch.Tensor | None, n: int) -> torch.Tensor | None:
 
 
 class _Outputs:
-    """Per-emitted-token scores and logits, collected only when the user asked for them."""
+    """Per-emitted-token scores and logits, per row, collected only when the user asked for them."""
 
-    def __init__(self, generation_config: GenerationConfig):
+    def __init__(self, generation_config: GenerationConfig, batch: int):
         want = generation_config.return_dict_in_generate
-        self.scores = () if want and generation_config.output_scores else None
-        self.logits = () if want and generation_config.output_logits else None
+        self.scores = [[] for _ in range(batch)] if want and generation_config.output_scores else None
+        self.logits = [[] for _ in range(batch)] if want and generation_config.output_logits else None
 
-    def add(self, scores: torch.Tensor, logits: torch.Tensor) -> None:  # [batch, n, vocab] each
+    def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:  # [n, vocab] each
         if self.scores is not None:
-            self.scores += tuple(scores.unbind(dim=1))
+            self.scores[row].extend(scores.unbind(0))
         if self.logits is not None:
-            self.logits += tuple(logits.float().unbind(dim=1))
+            self.logits[row].extend(logits.float().unbind(0))
+
+    def stacked(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
+        """One [batch, vocab] tensor per generated position, like transformers; a row that had
+        already finished gets -inf there (it emitted no token)."""
+        return self._stack(self.scores), self._stack(self.logits)
+
+    @staticmethod
+    def _stack(per_row: list[list[torch.Tensor]] | None) -> tuple[torch.Tensor, ...] | None:
+        if per_row is None:
+            return None
+        template = next(t for row in per_row for t in row)
+        filler = torch.full_like(template, -float("inf"))
+        longest = max(len(row) for row in per_row)
+        return tuple(
+            torch.stack([row[t] if t < len(row) else filler for row in per_row]) for t in range(longest)
+        )
 
 
 def _validate(
@@ -289,11 +359,12 @@ def _validate(
             "it implements greedy and multinomial sampling only."
         )
     if getattr(generation_config, "num_return_sequences", 1) not in (None, 1):
-        raise ValueError("hf_specdec does not support num_return_sequences > 1 yet (it runs one row).")
-    if input_ids.shape[0] != 1:
+        raise ValueError("hf_specdec does not support num_return_sequences > 1 yet.")
+    if input_ids.shape[0] != 1 and candidate_generator is not None and not isinstance(
+        candidate_generator, DraftCandidateGenerator
+    ):
         raise ValueError(
-            f"hf_specdec currently runs batch size 1, got a batch of {input_ids.shape[0]} rows; "
-            "generate the rows one at a time."
+            f"a custom candidate_generator runs one row at a time, got a batch of {input_ids.shape[0]} rows."
         )
     if synced_gpus:
         raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")

@@ -9,22 +9,76 @@ is applied to one and not the other (or with another prefix) silently breaks exa
 
 from __future__ import annotations
 
-from typing import Callable
+import copy
+from typing import Callable, Sequence
 
 import torch
+from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
+from transformers.generation import logits_process as lp
+
+# transformers processors that treat every row alike and keep no per-row state: safe to apply to a
+# single row. (Repetition penalty keeps per-row padding lengths; `row_pipelines` slices them.)
+ROW_INDEPENDENT = tuple(
+    getattr(lp, name)
+    for name in (
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
+        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "NoRepeatNGramLogitsProcessor",
+        "NoBadWordsLogitsProcessor", "SequenceBiasLogitsProcessor", "MinLengthLogitsProcessor",
+        "MinNewTokensLengthLogitsProcessor", "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor",
+        "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty", "LogitNormalization",
+        "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+    )
+    if hasattr(lp, name)
+)
 
 # A LogitsProcessorList or anything with the same call signature: (input_ids, scores) -> scores.
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def process_logits(
-    processor: Processor | None,
-    prefix_ids: torch.Tensor,  # [batch, prefix_len]: the tokens this position follows
+    processor: Processor | Sequence[Processor] | None,
+    prefix_ids: torch.Tensor | Sequence[torch.Tensor],  # [batch, prefix_len], or one [len_b] per row
     logits: torch.Tensor,  # [batch, vocab]: raw model logits for the next token
 ) -> torch.Tensor:  # [batch, vocab] float32 scores
-    """Apply the generation-config pipeline to one position, as `generate()` does."""
-    scores = logits.float()
-    return processor(prefix_ids, scores) if processor is not None else scores
+    """Apply the generation-config pipeline to one position, as `generate()` does.
+
+    In a batch, rows may have generated different numbers of tokens. `prefix_ids` is then a list of
+    per-row prefixes and `processor` a list of per-row pipelines (`row_pipelines`), applied row by
+    row: padding the prefixes to one length would change what processors such as repetition
+    penalty or min-length see.
+    """
+    scores = logits.to(torch.float32, copy=True)  # some processors write in place; keep raw logits intact
+    if isinstance(prefix_ids, torch.Tensor):
+        return processor(prefix_ids, scores) if processor else scores
+    return torch.cat(
+        [pipeline(p[None], scores[b : b + 1]) if pipeline else scores[b : b + 1]
+         for b, (pipeline, p) in enumerate(zip(processor, prefix_ids))]
+    )
+
+
+def row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[LogitsProcessorList | None]:
+    """One pipeline per row, for applying processors to rows of different lengths separately.
+
+    Raises for processors whose behaviour may depend on the row's place in the batch, unless we know
+    how to take that row's slice (repetition penalty's per-row padding lengths)."""
+    if not processor:
+        return [processor] * batch
+    unknown = [type(p).__name__ for p in processor if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
+    if unknown:
+        raise ValueError(
+            f"batched speculative decoding applies logits processors row by row, and {', '.join(unknown)} "
+            "is not known to allow that; run such a generation one row at a time."
+        )
+    rows = []
+    for b in range(batch):
+        row = LogitsProcessorList()
+        for p in processor:
+            if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
+                p = copy.copy(p)
+                p.prompt_ignore_length = p.prompt_ignore_length[b : b + 1]
+            row.append(p)
+        rows.append(row)
+    return rows
 
 
 def logits_to_probs(scores: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]

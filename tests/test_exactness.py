@@ -45,14 +45,14 @@ def processors() -> LogitsProcessorList:
 
 
 @torch.no_grad()
-def exact_joint(model) -> dict[tuple[int, ...], float]:
+def exact_joint(model, prompt=PROMPT) -> dict[tuple[int, ...], float]:
     """P(first NEW tokens = t) under plain sampling from `model`, by enumeration (full forwards)."""
     pipeline = processors()
     law = {(): 1.0}
     for _ in range(NEW):
         grown = {}
         for prefix, mass in law.items():
-            ids = torch.cat([PROMPT, torch.tensor([prefix], dtype=torch.long).reshape(1, -1)], dim=1)
+            ids = torch.cat([prompt, torch.tensor([prefix], dtype=torch.long).reshape(1, -1)], dim=1)
             probs = torch.softmax(pipeline(ids, model(ids).logits[:, -1].float()), -1)[0].double()
             for tok in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (tok,)] = mass * probs[tok].item()
@@ -107,8 +107,8 @@ class UnprocessedQ(DraftCandidateGenerator):
     """Broken on purpose: samples from the processed q but reports the unprocessed draft logits, so
     acceptance uses a q other than the one the token was drawn from."""
 
-    def get_candidates(self, input_ids, attention_mask=None, num_tokens=None):
-        candidate_ids, _ = super().get_candidates(input_ids, attention_mask, num_tokens)
+    def get_candidates(self, input_ids, *args, **kwargs):
+        candidate_ids, _ = super().get_candidates(input_ids, *args, **kwargs)
         raw = self.model(candidate_ids).logits[:, input_ids.shape[1] - 1 : -1].float()
         return candidate_ids, raw
 
@@ -173,3 +173,57 @@ def test_law_has_enough_cells_to_have_power(pair):
     _, _, law = pair
     assert sum(p * SAMPLES >= 5 for p in law.values()) >= 20
     assert max(law.values()) < 0.3
+
+
+# ---------------------------------------------------------------- batched
+
+
+BATCH_PROMPTS = [[1, 5, 2], [1, 3], [1, 6, 4, 7]]
+
+
+class OverconfidentQ(DraftCandidateGenerator):
+    """Broken on purpose (batched): samples from q but reports scores doubled, i.e. a sharper q."""
+
+    def get_candidates(self, *args, **kwargs):
+        candidate_ids, scores = super().get_candidates(*args, **kwargs)
+        return candidate_ids, scores * 2.0
+
+
+def sample_batched(target, seed, **kwargs) -> list[list[tuple[int, ...]]]:
+    width = max(map(len, BATCH_PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH_PROMPTS])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in BATCH_PROMPTS])[:, None]).long()
+    torch.manual_seed(seed)
+    per_row = [[] for _ in BATCH_PROMPTS]
+    for _ in range(SAMPLES):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLING, **kwargs)
+        for row in range(len(BATCH_PROMPTS)):
+            per_row[row].append(tuple(out[row, width:].tolist()))
+    return per_row
+
+
+@pytest.fixture(scope="module")
+def batch_laws(pair):
+    target, _, _ = pair
+    return [exact_joint(target, torch.tensor([p])) for p in BATCH_PROMPTS]
+
+
+def test_batched_sampling_is_exact_per_row(pair, batch_laws):
+    target, draft, _ = pair
+    per_row = sample_batched(target, 5, **spec_kwargs(draft))
+    for row, (law, samples) in enumerate(zip(batch_laws, per_row)):
+        statistic, dof, pvalue = chi_square_against(law, samples)
+        print(f"\nbatched row {row}: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+        assert pvalue > ALPHA
+
+
+def test_batched_broken_variant_is_detected(pair, batch_laws):
+    target, draft, _ = pair
+    broken = OverconfidentQ(draft, processors(), num_draft_tokens=2, do_sample=True)
+    per_row = sample_batched(target, 6, **spec_kwargs(None, candidate_generator=broken))
+    pvalues = []
+    for row, (law, samples) in enumerate(zip(batch_laws, per_row)):
+        statistic, dof, pvalue = chi_square_against(law, samples)
+        print(f"\nbroken batched row {row}: chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
+        pvalues.append(pvalue)
+    assert max(pvalues) < ALPHA  # every row's law is visibly wrong

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -236,10 +237,13 @@ def test_errors_name_the_problem():
         target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, max_new_tokens=3)
     with pytest.raises(ValueError, match="vocabulary mismatch"):
         spec(target, tiny_model("llama", vocab=80), max_new_tokens=3)
-    with pytest.raises(ValueError, match="batch size 1"):
-        target.generate(
-            PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate, assistant=target, max_new_tokens=3
-        )
+    with pytest.raises(ValueError, match="streamers take one row"):
+        target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate, assistant=target,
+                        max_new_tokens=3, spec_streamer=Recorder())
+    with pytest.raises(ValueError, match="custom candidate_generator runs one row"):
+        target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate,
+                        candidate_generator=hf_specdec.DraftCandidateGenerator.__new__(CandidateGenerator),
+                        max_new_tokens=3)
     with pytest.raises(ValueError, match="beam search"):
         spec(target, target, num_beams=2, max_new_tokens=3)
     with pytest.raises(ValueError, match="DynamicCache only"):

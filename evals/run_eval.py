@@ -15,6 +15,7 @@ reports the median. Writes <out>/records.jsonl (one line per prompt, mode and me
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -49,7 +50,8 @@ class Preset:
 
 
 PRESETS = {
-    "quick": Preset(prompts_per_category=2, max_new_tokens=64),  # 14 prompts, ~20 min on 2 cores
+    "quick": Preset(prompts_per_category=1, max_new_tokens=64),  # 7 prompts, ~13 min on 2 cores (real pair)
+    "standard": Preset(prompts_per_category=3, max_new_tokens=64),  # 21 prompts, ~40 min
     "full": Preset(prompts_per_category=None, max_new_tokens=128),  # all 644 prompts
 }
 
@@ -342,6 +344,78 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
     plt.close(fig)
 
 
+# ---------------------------------------------------------------- batched throughput
+
+BATCH_CATEGORIES = ("mt_bench", "translation", "qa", "math_reasoning", "humaneval")  # short prompts
+
+
+def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows], device=device)
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=device)
+    return ids, mask
+
+
+def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens) -> list[dict]:
+    """Greedy throughput (generated tokens / second) of plain batched decoding and hf_specdec at each
+    batch size, over the same prompts, the two interleaved chunk by chunk."""
+    from tqdm.auto import tqdm
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    rows = []
+    for size in batch_sizes:
+        totals = {"plain": [0, 0.0], "hf_specdec": [0, 0.0]}
+        match, acceptance = True, []
+        chunks = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
+        for chunk in tqdm(chunks, desc=f"batch {size}"):
+            ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
+            outputs = {}
+            for method in ("plain", "hf_specdec"):
+                kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+                if method == "hf_specdec":
+                    kwargs.update(custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                                  num_draft_tokens=num_draft_tokens, return_dict_in_generate=True)
+                start = time.perf_counter()
+                out = target.generate(ids, attention_mask=mask, **kwargs)
+                seconds = time.perf_counter() - start
+                seqs = out.sequences if method == "hf_specdec" else out
+                if method == "hf_specdec":
+                    acceptance.append(out.acceptance)
+                # Generated tokens: up to and including each row's EOS (padding after it is not work).
+                new = seqs[:, ids.shape[1] :]
+                totals[method][0] += int(sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new))
+                totals[method][1] += seconds
+                outputs[method] = seqs
+            match &= torch.equal(outputs["plain"], outputs["hf_specdec"])
+        merged = acceptance[0]
+        for stats in acceptance[1:]:
+            merged = merged.merge(stats)
+        plain_tps = totals["plain"][0] / totals["plain"][1]
+        spec_tps = totals["hf_specdec"][0] / totals["hf_specdec"][1]
+        rows.append(dict(batch_size=size, prompts=len(chunks) * size, plain_tokens_per_s=plain_tps,
+                         hf_specdec_tokens_per_s=spec_tps, ratio=spec_tps / plain_tps,
+                         acceptance_rate=merged.acceptance_rate, all_match_plain=bool(match)))
+    return rows
+
+
+def _generated_length(row: torch.Tensor, eos_id, pad_id) -> int:
+    tokens = row.tolist()
+    if eos_id is not None and eos_id in tokens:
+        return tokens.index(eos_id) + 1
+    while tokens and tokens[-1] == pad_id:
+        tokens.pop()
+    return len(tokens)
+
+
+def batch_table(rows) -> str:
+    lines = ["| batch size | prompts | plain tok/s | hf_specdec tok/s | hf_specdec / plain | acceptance | greedy match |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['batch_size']} | {r['prompts']} | {r['plain_tokens_per_s']:.2f} | {r['hf_specdec_tokens_per_s']:.2f} | "
+                     f"{r['ratio']:.2f}x | {r['acceptance_rate']:.2f} | {'yes' if r['all_match_plain'] else 'NO'} |")
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- main
 
 
@@ -358,7 +432,7 @@ def load_pair(target_name, draft_name, device, device_map):
 
 
 def main(target, draft, preset, categories, modes, methods, out, num_draft_tokens, prompts_per_category,
-         max_new_tokens, device_map, threads):
+         max_new_tokens, device_map, threads, batch_sizes=None):
     import evaluate
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -378,6 +452,9 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
 
     target_model, draft_model, tokenizer = load_pair(target, draft, accelerator.device, device_map)
+    if batch_sizes:
+        return run_batch_study(target_model, draft_model, tokenizer, categories, per_category, batch_sizes,
+                               max_new_tokens, num_draft_tokens, Path(out), dict(target=target, draft=draft, preset=preset))
     prompts = load_prompts(tokenizer, categories, per_category)
     timers = {"target": ForwardTimer(target_model), "draft": ForwardTimer(draft_model)}
     # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
@@ -417,6 +494,26 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
     return summary
 
 
+def run_batch_study(target, draft, tokenizer, categories, per_category, batch_sizes, max_new_tokens,
+                    num_draft_tokens, out: Path, config: dict):
+    categories = [c for c in categories if c in BATCH_CATEGORIES] or list(BATCH_CATEGORIES)
+    per = max(per_category or 1, math.ceil(max(batch_sizes) / len(categories)))
+    prompts = load_prompts(tokenizer, categories, per)
+    # Round-robin over categories so every chunk mixes them; as many prompts as the largest batch.
+    by_category = [[p for p in prompts if p["category"] == c] for c in categories]
+    prompts = [p for group in itertools.zip_longest(*by_category) for p in group if p is not None][: max(batch_sizes)]
+    target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
+    rows = batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens)
+    out.mkdir(parents=True, exist_ok=True)
+    config.update(batch_sizes=list(batch_sizes), max_new_tokens=max_new_tokens, num_draft_tokens=num_draft_tokens,
+                  categories=categories, torch_threads=torch.get_num_threads())
+    (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows), indent=2))
+    table = batch_table(rows)
+    (out / "batch_throughput.md").write_text(f"# Batched greedy throughput ({len(prompts)} prompts, {max_new_tokens} new tokens)\n\n{table}\n")
+    print(table)
+    return rows
+
+
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
@@ -431,10 +528,14 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
+                        help="instead of the method comparison: greedy throughput of plain batched decoding and "
+                             "hf_specdec at these batch sizes, on as many short prompts as the largest batch")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
     args = parse_args()
     main(args.target, args.draft, args.preset, args.categories, args.modes, args.methods, args.out,
-         args.num_draft_tokens, args.prompts_per_category, args.max_new_tokens, args.device_map, args.threads)
+         args.num_draft_tokens, args.prompts_per_category, args.max_new_tokens, args.device_map, args.threads,
+         args.batch_sizes)

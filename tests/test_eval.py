@@ -50,6 +50,16 @@ def check_outputs(out: Path, processes: int):
     assert "| hf_specdec | qa |" in (out / "summary.md").read_text()
 
 
+def test_batch_throughput_study_on_tiny_models(tmp_path):
+    run([sys.executable, str(EVAL), "--target", "tiny", "--draft", "tiny", "--batch-sizes", "1", "2", "4",
+         "--max-new-tokens", "10", "--threads", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "batch_throughput.json").read_text())
+    assert [r["batch_size"] for r in result["rows"]] == [1, 2, 4]
+    for row in result["rows"]:
+        assert row["prompts"] == 4 and row["all_match_plain"] is True
+        assert row["plain_tokens_per_s"] > 0 and row["hf_specdec_tokens_per_s"] > 0
+
+
 def test_eval_end_to_end_on_tiny_models(tmp_path):
     run([sys.executable, str(EVAL), *TINY_ARGS, "--out", str(tmp_path)])
     check_outputs(tmp_path, processes=1)

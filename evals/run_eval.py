@@ -164,6 +164,7 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
                 target_forwards=len(target_d), draft_forwards=len(draft_d),
                 target_step_s=step_time(target_d), draft_step_s=step_time(draft_d),
                 tokens_per_target_forward=new_tokens / max(1, len(target_d)),
+                tokens=seqs[0, input_ids.shape[1] :].tolist(),
             )
             if method == "plain":
                 plain_out, plain_seconds, plain_target_steps = seqs, seconds, record["target_step_s"]

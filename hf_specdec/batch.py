@@ -43,6 +43,7 @@ class RaggedBatch:
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences
+        self._compactable = True  # False once `compact` found a cache layout it cannot gather
 
     @property
     def size(self) -> int:
@@ -93,20 +94,22 @@ class RaggedBatch:
                 cache.batch_select_indices(keep)
 
     def should_compact(self) -> bool:
-        if self.mask is None or self.size < 2:
+        if self.mask is None or self.size < 2 or not self._compactable:
             return False
         holes = self.ids.shape[1] - int(self.mask.sum(dim=1).max())
         return holes >= max(COMPACT_MIN_HOLES, self.ids.shape[1] // 4)
 
-    def compact(self, caches: tuple[Cache | None, ...], cached: int) -> bool:
-        """Drop holes and padding from the first `cached` columns (held by every cache), right-aligning
-        each row's real columns. Returns False (and changes nothing) for cache layouts it cannot gather."""
+    def compact(self, caches: tuple[Cache | None, ...]) -> bool:
+        """Drop holes and padding from the columns every cache holds, right-aligning each row's real
+        columns; columns only some cache holds (at most the last draft column) are kept as they are.
+        Returns False (and changes nothing) for cache layouts it cannot gather."""
         caches = tuple(c for c in caches if c is not None)
         if not all(type(layer) is DynamicLayer for c in caches for layer in c.layers):
-            return False  # e.g. sliding-window layers: holes stay (correct, just less efficient)
+            self._compactable = False  # e.g. sliding-window layers: holes stay (correct, less efficient)
+            return False
+        cached = min(c.get_seq_length() for c in caches)
         head = self.mask[:, :cached]  # [active, cached]
-        counts = head.sum(dim=1)  # [active]
-        width = int(counts.max())
+        width = int(head.sum(dim=1).max())
         # Stable sort puts each row's masked columns first and its real columns, in order, last.
         order = torch.sort(head, dim=1, stable=True).indices[:, -width:]  # [active, width]
         for cache in caches:
@@ -114,8 +117,8 @@ class RaggedBatch:
                 if layer.keys is None or layer.keys.numel() == 0:
                     continue
                 index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-                layer.keys = layer.keys.gather(2, index)
-                layer.values = layer.values.gather(2, index)
+                layer.keys = torch.cat([layer.keys[:, :, :cached].gather(2, index), layer.keys[:, :, cached:]], dim=2)
+                layer.values = torch.cat([layer.values[:, :, :cached].gather(2, index), layer.values[:, :, cached:]], dim=2)
         self.ids = torch.cat([self.ids[:, :cached].gather(1, order), self.ids[:, cached:]], dim=1)
         self.mask = torch.cat([head.gather(1, order), self.mask[:, cached:]], dim=1)
         self.ids_are_real = False

@@ -121,15 +121,15 @@ def speculative_generate(
             processor = logits_processor if isinstance(real, torch.Tensor) else [target_rows[r] for r in batch.rows]
 
             # 1. Draft: k candidate tokens per row and the processed draft scores they were drawn from.
-            draft_start = time.perf_counter()
+            draft_start = _clock(model.device)
             candidate_ids, draft_scores = _get_candidates(candidate_generator, batch, k, real)
-            draft_seconds = time.perf_counter() - draft_start
+            draft_seconds = _clock(model.device) - draft_start
             draft_tokens = candidate_ids[:, seq_len:]  # [active, k]
             k = draft_tokens.shape[1]
 
             # 2. Verify: one target forward over the pending column(s) plus the k drafts; then the
             #    target's scores at each of the k + 1 positions, each with its row's own prefix.
-            target_start = time.perf_counter()
+            target_start = _clock(model.device)
             target_logits = extend(model, target_cache, candidate_ids, _pad_mask(batch.mask, k), num_logits=k + 1)
             target_scores = torch.stack(
                 [
@@ -138,7 +138,7 @@ def speculative_generate(
                 ],
                 dim=1,
             )  # [active, k + 1, vocab]
-            target_seconds = time.perf_counter() - target_start
+            target_seconds = _clock(model.device) - target_start
 
             # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
             draft_probs = _draft_probs(draft_scores, draft_tokens, target_scores.shape[-1]) if do_sample else None
@@ -194,9 +194,7 @@ def speculative_generate(
                 keep = torch.tensor([i for i, done in enumerate(finished) if not done], dtype=torch.long)
                 batch.select(keep.to(batch.ids.device), caches)
             if batch.should_compact():
-                cached = min(c.get_seq_length() for c in caches if c is not None)
-                rollback(caches, cached)
-                batch.compact(caches, cached)
+                batch.compact(caches)
     finally:
         close_sink()
     stats.draft_forwards = getattr(candidate_generator, "forwards", 0)
@@ -221,6 +219,13 @@ def speculative_generate(
         acceptance=stats,
         acceptance_per_row=row_stats,
     )
+
+
+def _clock(device: torch.device) -> float:
+    """Wall time after the device's queued work: CUDA runs asynchronously, so sync before reading."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def _get_candidates(

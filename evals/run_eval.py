@@ -185,7 +185,8 @@ def _acceptance(method, record, stats, rounds) -> dict:
     if method == "hf_specdec":
         return dict(
             drafted=stats.drafted, accepted=stats.accepted, rounds=stats.rounds,
-            acceptance_rate=stats.acceptance_rate, per_position_drafted=stats.drafted_per_position,
+            acceptance_rate=stats.acceptance_rate, token_acceptance=stats.token_acceptance,
+            per_position_drafted=stats.drafted_per_position, per_position_reached=stats.reached_per_position,
             per_position_accepted=stats.accepted_per_position,
             round_log=[(len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)) for r in rounds],
         )
@@ -208,6 +209,16 @@ def _predicted_speedup(record, plain_step) -> float | None:
 
 
 # ---------------------------------------------------------------- summary
+
+
+def _round_stats(rows) -> hf_specdec.AcceptanceStats:
+    """AcceptanceStats rebuilt from the logged rounds of hf_specdec records."""
+    stats = hf_specdec.AcceptanceStats()
+    for r in rows:
+        for drafted, accepted, emitted in r["round_log"]:
+            stats.rounds += 1
+            stats.record(drafted, accepted, emitted)
+    return stats
 
 
 def geometric_mean(values):
@@ -240,6 +251,12 @@ def summarise(records, metric) -> dict:
                 if "drafted" in ok[0]:
                     entry["acceptance_rate"] = sum(max(0, r["accepted"]) for r in ok) / max(1, sum(r["drafted"] for r in ok))
                 if method == "hf_specdec":
+                    rounds = _round_stats(ok)
+                    alpha, k = rounds.token_acceptance, max(1, round(rounds.drafted / max(1, rounds.rounds)))
+                    entry["token_acceptance"] = alpha
+                    entry["per_position_acceptance"] = rounds.per_position_rate
+                    entry["geometric_tokens_per_round"] = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
+                if method == "hf_specdec":
                     log = [step for r in ok for step in r["round_log"]]
                     entry["metric"] = metric.compute(
                         drafted=[d for d, _, _ in log], accepted=[a for _, a, _ in log], emitted=[e for _, _, e in log],
@@ -265,20 +282,21 @@ def _median(values):
 def markdown_table(summary) -> str:
     lines = []
     for mode, methods in summary.items():
-        lines += [f"### {mode}", "", "| method | category | speedup | acceptance | tokens/target fwd | cost ratio | predicted | greedy match |",
-                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+        lines += [f"### {mode}", "", "| method | category | speedup | acceptance | token acceptance | tokens/target fwd | geometric law | cost ratio | predicted | greedy match |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for method, block in methods.items():
             for category, e in block["categories"].items():
                 if "error" in e:
-                    lines.append(f"| {method} | {category} | n/a ({e['error'][:60]}) | | | | | |")
+                    lines.append(f"| {method} | {category} | n/a ({e['error'][:60]}) | | | | | | | |")
                     continue
                 lines.append(
                     f"| {method} | {category} | {e['median_speedup']:.2f}x | {_fmt(e.get('acceptance_rate'))} | "
-                    f"{e['tokens_per_target_forward']:.2f} | {_fmt(e.get('cost_ratio'))} | {_fmt(e.get('predicted_speedup'), 'x')} | "
+                    f"{_fmt(e.get('token_acceptance'))} | {e['tokens_per_target_forward']:.2f} | {_fmt(e.get('geometric_tokens_per_round'))} | "
+                    f"{_fmt(e.get('cost_ratio'))} | {_fmt(e.get('predicted_speedup'), 'x')} | "
                     f"{'yes' if e.get('all_match_plain') else ('NO' if 'all_match_plain' in e else '-')} |"
                 )
             if block["geomean_speedup"]:
-                lines.append(f"| {method} | **geomean** | **{block['geomean_speedup']:.2f}x** | | | | | |")
+                lines.append(f"| {method} | **geomean** | **{block['geomean_speedup']:.2f}x** | | | | | | | |")
         lines.append("")
     return "\n".join(lines)
 
@@ -317,10 +335,9 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
             rows = [r for r in rows if "error" not in r]
             if not rows:
                 continue
-            k = max(len(r["per_position_drafted"]) for r in rows)
-            drafted = [sum(r["per_position_drafted"][i] for r in rows if i < len(r["per_position_drafted"])) for i in range(k)]
-            accepted = [sum(r["per_position_accepted"][i] for r in rows if i < len(r["per_position_accepted"])) for i in range(k)]
-            ax.plot(range(1, k + 1), [a / d if d else 0 for a, d in zip(accepted, drafted)], marker="o", label=category)
+            stats = _round_stats(rows)
+            k = len(stats.reached_per_position)
+            ax.plot(range(1, k + 1), stats.per_position_rate, marker="o", label=category)
         ax.set_xlabel("draft position")
         ax.set_ylabel("accepted / reached")
         ax.set_ylim(0, 1.05)
@@ -330,14 +347,18 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
     fig.savefig(out / "acceptance_by_position.png", dpi=120)
     plt.close(fig)
 
-    # 3. Measured tokens per round against the geometric law (1 - a^(k+1)) / (1 - a).
+    # 3. Measured tokens per round against the geometric law (1 - a^(k+1)) / (1 - a), where a is the
+    #    per-token acceptance accepted / reached (not accepted / drafted, which is tied to tokens per
+    #    round by an identity and would make the comparison circular).
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     curve_a = [i / 100 for i in range(100)]
     ax.plot(curve_a, [(1 - a ** (num_draft_tokens + 1)) / (1 - a) for a in curve_a], color="black", label=f"(1-a^(k+1))/(1-a), k={num_draft_tokens}")
     for mode, marker in zip(MODES, "os"):
         rows = [r for r in records if r["mode"] == mode and r["method"] == "hf_specdec" and "error" not in r]
-        ax.scatter([r["acceptance_rate"] for r in rows], [r["new_tokens"] / r["rounds"] for r in rows], marker=marker, label=mode, alpha=0.7)
-    ax.set_xlabel("acceptance rate a (per prompt)")
+        per_prompt = [_round_stats([r]) for r in rows]
+        ax.scatter([s.token_acceptance for s in per_prompt], [s.mean_tokens_per_round for s in per_prompt],
+                   marker=marker, label=mode, alpha=0.7)
+    ax.set_xlabel("per-token acceptance a = accepted / reached (per prompt)")
     ax.set_ylabel("tokens per round (measured)")
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -495,6 +516,21 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
     return summary
 
 
+def replot(records_path: Path, out: Path, num_draft_tokens: int) -> dict:
+    """Summary, table and plots again from a records.jsonl (no generation)."""
+    import evaluate
+
+    records = [json.loads(line) for line in records_path.read_text().splitlines()]
+    summary = summarise(records, evaluate.load(str(METRIC)))
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "summary.json").write_text(json.dumps(dict(config=dict(from_records=str(records_path)), summary=summary), indent=2))
+    table = markdown_table(summary)
+    (out / "summary.md").write_text(f"# Evaluation (from {records_path})\n\n{table}\n")
+    plot(records, summary, out, num_draft_tokens)
+    print(table)
+    return summary
+
+
 def run_batch_study(target, draft, tokenizer, categories, per_category, batch_sizes, max_new_tokens,
                     num_draft_tokens, out: Path, config: dict):
     categories = [c for c in categories if c in BATCH_CATEGORIES] or list(BATCH_CATEGORIES)
@@ -529,6 +565,7 @@ def parse_args(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    parser.add_argument("--from-records", default=None, help="only rebuild summary and plots from a records.jsonl")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=None,
                         help="instead of the method comparison: greedy throughput of plain batched decoding and "
                              "hf_specdec at these batch sizes, on as many short prompts as the largest batch")
@@ -537,6 +574,9 @@ def parse_args(argv=None):
 
 if __name__ == "__main__":
     args = parse_args()
+    if args.from_records:
+        replot(Path(args.from_records), Path(args.out), args.num_draft_tokens)
+        sys.exit(0)
     main(args.target, args.draft, args.preset, args.categories, args.modes, args.methods, args.out,
          args.num_draft_tokens, args.prompts_per_category, args.max_new_tokens, args.device_map, args.threads,
          args.batch_sizes)

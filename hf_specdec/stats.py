@@ -42,8 +42,10 @@ class AcceptanceStats:
     target_forwards: int = 0
     draft_seconds: float = 0.0  # wall time inside draft forwards and draft sampling
     target_seconds: float = 0.0  # wall time inside target forwards
-    # Index i counts draft position i + 1: how often it was drafted, and accepted.
+    # Index i counts draft position i + 1: how often it was drafted, reached (every earlier position
+    # accepted, so the rule looked at it) and accepted.
     drafted_per_position: list[int] = field(default_factory=list)
+    reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
@@ -53,10 +55,12 @@ class AcceptanceStats:
         self.emitted += num_emitted
         grow = num_drafted - len(self.drafted_per_position)
         if grow > 0:
-            self.drafted_per_position.extend([0] * grow)
-            self.accepted_per_position.extend([0] * grow)
+            for counts in (self.drafted_per_position, self.reached_per_position, self.accepted_per_position):
+                counts.extend([0] * grow)
         for i in range(num_drafted):
             self.drafted_per_position[i] += 1
+        for i in range(min(num_accepted + 1, num_drafted)):  # up to and including the first rejection
+            self.reached_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
 
@@ -66,19 +70,28 @@ class AcceptanceStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def token_acceptance(self) -> float:
+        """accepted / reached: the per-token acceptance probability (alpha in Leviathan et al. 2023)
+        if positions were independent; the geometric law E[tokens per round] = (1 - alpha^(k+1)) /
+        (1 - alpha) uses this, not `acceptance_rate` (which is (tokens per round - 1) / k by identity)."""
+        reached = sum(self.reached_per_position)
+        return self.accepted / reached if reached else 0.0
+
+    @property
     def mean_tokens_per_round(self) -> float:
         """Tokens emitted per target forward: the speedup if drafting were free."""
         return self.emitted / self.rounds if self.rounds else 0.0
 
     @property
     def per_position_rate(self) -> list[float]:
-        """Accepted / drafted at each draft position (conditional on being reached)."""
-        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+        """Accepted / reached at each draft position: acceptance given every earlier position accepted."""
+        return [a / r if r else 0.0 for a, r in zip(self.accepted_per_position, self.reached_per_position)]
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out.update(
             acceptance_rate=self.acceptance_rate,
+            token_acceptance=self.token_acceptance,
             mean_tokens_per_round=self.mean_tokens_per_round,
             per_position_rate=self.per_position_rate,
         )
@@ -93,10 +106,8 @@ class AcceptanceStats:
         merged.target_seconds = self.target_seconds + other.target_seconds
         n = max(len(self.drafted_per_position), len(other.drafted_per_position))
         pad = lambda xs: xs + [0] * (n - len(xs))  # noqa: E731
-        merged.drafted_per_position = [a + b for a, b in zip(pad(self.drafted_per_position), pad(other.drafted_per_position))]
-        merged.accepted_per_position = [
-            a + b for a, b in zip(pad(self.accepted_per_position), pad(other.accepted_per_position))
-        ]
+        for name in ("drafted_per_position", "reached_per_position", "accepted_per_position"):
+            setattr(merged, name, [a + b for a, b in zip(pad(getattr(self, name)), pad(getattr(other, name)))])
         return merged
 
 

@@ -63,6 +63,13 @@ def test_batch_throughput_study_on_tiny_models(tmp_path):
 def test_eval_end_to_end_on_tiny_models(tmp_path):
     run([sys.executable, str(EVAL), *TINY_ARGS, "--out", str(tmp_path)])
     check_outputs(tmp_path, processes=1)
+    # The summary and plots can be rebuilt from the records alone.
+    run([sys.executable, str(EVAL), "--from-records", str(tmp_path / "records.jsonl"), "--out", str(tmp_path / "again")])
+    before = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    after = json.loads((tmp_path / "again" / "summary.json").read_text())["summary"]
+    assert after["greedy"]["hf_specdec"] == before["greedy"]["hf_specdec"]
+    spec = after["greedy"]["hf_specdec"]["categories"]["qa"]
+    assert 0 <= spec["token_acceptance"] <= 1 and spec["geometric_tokens_per_round"] >= 1
 
 
 def test_eval_splits_prompts_across_two_cpu_processes_with_accelerate(tmp_path):

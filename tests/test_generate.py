@@ -158,6 +158,13 @@ def test_acceptance_stats_add_up_and_sink_gets_one_record_per_round(tmp_path):
     assert stats.drafted == sum(len(r.draft_tokens) for r in records) == sum(stats.drafted_per_position)
     assert stats.accepted == sum(r.num_accepted for r in records) == sum(stats.accepted_per_position)
     assert stats.acceptance_rate == pytest.approx(stats.accepted / stats.drafted)
+    reached = sum(min(r.num_accepted + 1, len(r.draft_tokens)) for r in records)
+    assert sum(stats.reached_per_position) == reached
+    assert stats.token_acceptance == pytest.approx(stats.accepted / reached)
+    for i, rate in enumerate(stats.per_position_rate):  # conditional on reaching position i + 1
+        reached_i = sum(min(r.num_accepted + 1, len(r.draft_tokens)) > i for r in records)
+        accepted_i = sum(r.num_accepted > i for r in records)
+        assert rate == pytest.approx(accepted_i / reached_i if reached_i else 0.0)
     assert stats.mean_tokens_per_round == pytest.approx(30 / stats.rounds)
     emitted = sum((r.emitted_tokens for r in records), [])
     assert emitted == out.sequences[0, PROMPT.shape[1] :].tolist()

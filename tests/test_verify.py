@@ -210,3 +210,18 @@ def test_verify_module_does_not_import_transformers():
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_stats_count_reached_positions_up_to_the_first_rejection():
+    from hf_specdec.stats import AcceptanceStats
+
+    stats = AcceptanceStats()
+    stats.record(num_drafted=4, num_accepted=1, num_emitted=2)  # reached positions 1, 2
+    stats.record(num_drafted=4, num_accepted=4, num_emitted=5)  # reached all four
+    stats.record(num_drafted=2, num_accepted=0, num_emitted=1)  # reached position 1
+    assert stats.drafted_per_position == [3, 3, 2, 2]
+    assert stats.reached_per_position == [3, 2, 1, 1]
+    assert stats.accepted_per_position == [2, 1, 1, 1]
+    assert stats.per_position_rate == [2 / 3, 1 / 2, 1.0, 1.0]
+    assert stats.token_acceptance == 5 / 7
+    assert stats.merge(stats).reached_per_position == [6, 4, 2, 2]

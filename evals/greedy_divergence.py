@@ -1,6 +1,7 @@
 """Where a speculative greedy output leaves plain greedy, and by how small a margin.
 
     python evals/greedy_divergence.py --prompt-id 81 [--dtype bfloat16|float32]
+    python evals/greedy_divergence.py --batch-size 8        # the batch study's prompts, per row
 
 Runs plain greedy, transformers' assisted generation and hf_specdec on one eval prompt and, for each
 method whose output differs, prints the first differing position with the top-two logit margin of
@@ -54,10 +55,44 @@ def main(prompt_id: str, dtype: str, max_new_tokens: int) -> None:
               f"plain top-2 logit margin there {float(top2.values[0] - top2.values[1]):.4f}")
 
 
+def batch_check(batch_size: int, max_new_tokens: int) -> None:
+    """The batch study's prompts: plain batched greedy against hf_specdec batched greedy, per row."""
+    from run_eval import BATCH_CATEGORIES, left_pad
+
+    target, tokenizer = load_model(TARGET.name)
+    draft, _ = load_model(DRAFT.name)
+    prompts = load_prompts(tokenizer, list(BATCH_CATEGORIES), 2)
+    by_category = [[p for p in prompts if p["category"] == c] for c in BATCH_CATEGORIES]
+    prompts = [p for pair in zip(*by_category) for p in pair][:8]
+    pad = tokenizer.pad_token_id
+    for start in range(0, len(prompts), batch_size):
+        chunk = prompts[start : start + batch_size]
+        ids, mask = left_pad([p["input_ids"] for p in chunk], pad, target.device)
+        common = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad, attention_mask=mask,
+                      return_dict_in_generate=True, output_scores=True)
+        plain = target.generate(ids, **common)
+        spec = target.generate(ids, **common, custom_generate=hf_specdec.speculative_generate, assistant=draft)
+        for row, prompt in enumerate(chunk):
+            a, b = plain.sequences[row, ids.shape[1]:], spec.sequences[row, ids.shape[1]:]
+            diff = (a != b).nonzero()
+            if len(diff) == 0:
+                print(f"batch {batch_size} prompt {prompt['id']}: identical")
+                continue
+            j = int(diff[0])
+            top2 = plain.scores[j][row].float().topk(2)
+            print(f"batch {batch_size} prompt {prompt['id']}: first difference at token {j}, plain top-2 margin "
+                  f"{float(top2.values[0] - top2.values[1]):.4f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-id", default="81")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="instead: check the batch study's 8 prompts, batched plain vs batched hf_specdec")
     args = parser.parse_args()
-    main(args.prompt_id, args.dtype, args.max_new_tokens)
+    if args.batch_size:
+        batch_check(args.batch_size, args.max_new_tokens)
+    else:
+        main(args.prompt_id, args.dtype, args.max_new_tokens)

@@ -7,8 +7,9 @@ lookup decoding and hf_specdec, on Spec-Bench (six tasks) and HumanEval, greedy 
     python evals/run_eval.py --target tiny --draft tiny --preset quick --out runs/tiny   # offline check
 
 For every prompt, in one process, the methods run interleaved (plain first, then the others) with
-the same max_new_tokens; speedup = plain time / method time for that prompt, and each category
-reports the median. Writes <out>/records.jsonl (one line per prompt, mode and method),
+the same max_new_tokens; speedup = method tokens/s over plain tokens/s for that prompt (under
+sampling the two samples may differ in length, so a time ratio alone would mislead; under greedy
+the outputs match and the two definitions agree), and each category reports the median. Writes <out>/records.jsonl (one line per prompt, mode and method),
 <out>/summary.json, <out>/summary.md and PNG plots.
 """
 
@@ -145,7 +146,7 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
     input_ids = torch.tensor([prompt["input_ids"]], device=device)
     records = []
     for mode in modes:
-        plain_out, plain_seconds, plain_target_steps = None, None, None
+        plain_out, plain_rate, plain_target_steps = None, None, None
         for method in methods:
             timers["target"].take(), timers["draft"].take()
             try:
@@ -167,9 +168,9 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
                 tokens=seqs[0, input_ids.shape[1] :].tolist(),
             )
             if method == "plain":
-                plain_out, plain_seconds, plain_target_steps = seqs, seconds, record["target_step_s"]
+                plain_out, plain_rate, plain_target_steps = seqs, new_tokens / seconds, record["target_step_s"]
             else:
-                record["speedup"] = plain_seconds / seconds if plain_seconds else None
+                record["speedup"] = (new_tokens / seconds) / plain_rate if plain_rate else None
                 if mode == "greedy" and plain_out is not None:
                     record["matches_plain"] = bool(torch.equal(seqs, plain_out))
                 record.update(_acceptance(method, record, stats, rounds))
@@ -226,7 +227,19 @@ def geometric_mean(values):
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
 
 
+def _per_token_speedups(records) -> None:
+    """speedup = (method tokens / s) / (plain tokens / s) on the same prompt and mode; recomputed
+    here so that summaries rebuilt from older records use the same definition."""
+    plain = {(r["id"], r["mode"]): r for r in records if r["method"] == "plain" and "error" not in r}
+    for r in records:
+        base = plain.get((r["id"], r["mode"]))
+        if r["method"] != "plain" and "error" not in r and base is not None:
+            r["speedup"] = (r["new_tokens"] / r["seconds"]) / (base["new_tokens"] / base["seconds"])
+            r["plain_seconds_same_tokens"] = base["seconds"] * r["new_tokens"] / base["new_tokens"]
+
+
 def summarise(records, metric) -> dict:
+    _per_token_speedups(records)
     summary = {}
     for mode in MODES:
         for method in METHODS:
@@ -261,7 +274,7 @@ def summarise(records, metric) -> dict:
                     entry["metric"] = metric.compute(
                         drafted=[d for d, _, _ in log], accepted=[a for _, a, _ in log], emitted=[e for _, _, e in log],
                         seconds=sum(r["seconds"] for r in ok),
-                        baseline_seconds=sum(r["seconds"] / r["speedup"] for r in ok),
+                        baseline_seconds=sum(r["plain_seconds_same_tokens"] for r in ok),
                     )
                 if mode == "greedy":
                     entry["all_match_plain"] = all(r.get("matches_plain", False) for r in ok)
@@ -310,6 +323,7 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     # 1. Speedup by category, one panel per mode.
     fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4), squeeze=False)
@@ -338,6 +352,7 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
             stats = _round_stats(rows)
             k = len(stats.reached_per_position)
             ax.plot(range(1, k + 1), stats.per_position_rate, marker="o", label=category)
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("draft position")
         ax.set_ylabel("accepted / reached")
         ax.set_ylim(0, 1.05)
@@ -447,8 +462,8 @@ def load_pair(target_name, draft_name, device, device_map):
 
         target, draft, tokenizer = tiny_pair()
         return target.to(device), draft.to(device), tokenizer
-    target, tokenizer = load_model(target_name, device=None if device_map else device)
-    draft, draft_tokenizer = load_model(draft_name, device=device)
+    target, tokenizer = load_model(target_name, device=device, device_map=device_map)
+    draft, draft_tokenizer = load_model(draft_name, device=target.device)
     check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
     return target, draft, tokenizer
 

@@ -53,11 +53,7 @@ class RaggedBatch:
         """What processors see: the work ids while they equal the real sequences, else one per row."""
         if self.ids_are_real:
             return self.ids
-        device = self.prompt.device
-        return [
-            torch.cat([self.prompt[row], torch.tensor(self.generated[row], dtype=torch.long, device=device)])
-            for row in self.rows
-        ]
+        return [self.real_sequence(i)[0] for i in range(self.size)]
 
     def real_sequence(self, i: int) -> torch.Tensor:  # [1, len]: active row i, for stopping criteria
         row = self.rows[i]

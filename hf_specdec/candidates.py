@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from .cache import extend, new_cache
-from .sampling import Processor, process_logits, row_pipelines, select_token
+from .sampling import Processor, process_logits, row_pipelines, select_token, with_drafts
 
 # Warpers that must see the temperature-scaled scores (transformers applies temperature first).
 _AFTER_TEMPERATURE = (
@@ -95,18 +95,17 @@ class DraftCandidateGenerator(CandidateGenerator):
         logits processors then see each row's real sequence, `prefixes`, plus its drafts so far."""
         k = self.num_draft_tokens if num_tokens is None else min(num_tokens, self.num_draft_tokens)
         start = time.perf_counter()
-        ids, mask, scores, drafts = input_ids, attention_mask, [], []
+        ids, mask, scores = input_ids, attention_mask, []
         processor = self.logits_processor if prefixes is None else [self.row_processors[r] for r in rows]
         for _ in range(k):
             # Forward over what the draft cache lacks: the whole prompt on the first round, then the
             # last emitted token (plus the last draft token after an all-accepted round), then one.
             logits = extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1]  # [batch, vocab]
             self.forwards += 1
-            step_prefixes = ids if prefixes is None else _with_drafts(prefixes, drafts)
+            step_prefixes = ids if prefixes is None else with_drafts(prefixes, ids[:, input_ids.shape[1] :])
             step_scores = process_logits(processor, step_prefixes, logits)  # [batch, vocab]
             token = select_token(step_scores, self.do_sample, self.generator)  # [batch]
             scores.append(step_scores)
-            drafts.append(token)
             ids = torch.cat([ids, token[:, None]], dim=-1)
             if mask is not None:
                 mask = torch.nn.functional.pad(mask, (0, 1), value=1)
@@ -118,10 +117,3 @@ class DraftCandidateGenerator(CandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Constant draft length for now; adaptive drafting hooks in here."""
 
-
-def _with_drafts(prefixes: list[torch.Tensor], drafts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Row b's real sequence followed by its draft tokens so far."""
-    if not drafts:
-        return prefixes
-    drafted = torch.stack(drafts, dim=1)  # [batch, i]
-    return [torch.cat([p, drafted[b]]) for b, p in enumerate(prefixes)]

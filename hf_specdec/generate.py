@@ -27,7 +27,7 @@ from .batch import RaggedBatch
 from .cache import check_cache, extend, make_rollbackable, new_cache, rollback
 from .candidates import DraftCandidateGenerator, with_draft_temperature
 from .config import SpeculativeConfig
-from .sampling import logits_to_probs, process_logits, row_pipelines
+from .sampling import logits_to_probs, process_logits, row_pipelines, with_drafts
 from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import greedy_verification, speculative_sampling
 
@@ -133,7 +133,7 @@ def speculative_generate(
             target_logits = extend(model, target_cache, candidate_ids, _pad_mask(batch.mask, k), num_logits=k + 1)
             target_scores = torch.stack(
                 [
-                    process_logits(processor, _prefixes(real, draft_tokens[:, :i]), target_logits[:, i])
+                    process_logits(processor, with_drafts(real, draft_tokens[:, :i]), target_logits[:, i])
                     for i in range(k + 1)
                 ],
                 dim=1,
@@ -243,15 +243,6 @@ def _get_candidates(
     # A foreign generator may propose more than fits before max_length: keep the first k.
     keep = batch.ids.shape[1] + k
     return candidate_ids[:, :keep], None if candidate_logits is None else candidate_logits[:, :k]
-
-
-def _prefixes(
-    real: torch.Tensor | list[torch.Tensor],  # [active, seq], or one [len_b] per row
-    drafts: torch.Tensor,  # [active, i]: the drafts before the position being scored
-) -> torch.Tensor | list[torch.Tensor]:
-    if isinstance(real, torch.Tensor):
-        return torch.cat([real, drafts], dim=1)
-    return [torch.cat([r, drafts[b]]) for b, r in enumerate(real)]
 
 
 def _draft_probs(

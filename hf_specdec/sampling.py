@@ -81,6 +81,16 @@ def row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[Log
     return rows
 
 
+def with_drafts(
+    real: torch.Tensor | Sequence[torch.Tensor],  # [batch, seq], or one [len_b] per row
+    drafts: torch.Tensor,  # [batch, i]: the draft tokens before the position being scored
+) -> torch.Tensor | list[torch.Tensor]:
+    """The prefix a drafted position follows: the row's real sequence, then the drafts before it."""
+    if isinstance(real, torch.Tensor):
+        return torch.cat([real, drafts], dim=1)
+    return [torch.cat([r, drafts[b]]) for b, r in enumerate(real)]
+
+
 def logits_to_probs(scores: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
     """Processed scores -> the distribution that is sampled from (temperature etc. are processors)."""
     return torch.softmax(scores.float(), dim=-1)

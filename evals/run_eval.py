@@ -19,7 +19,6 @@ import argparse
 import itertools
 import json
 import math
-import os
 import statistics
 import sys
 import time

@@ -8,7 +8,6 @@ goodness-of-fit test at level ALPHA. The same test must reject deliberately brok
 
 from __future__ import annotations
 
-import itertools
 
 import pytest
 import torch

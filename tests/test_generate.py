@@ -249,7 +249,7 @@ def test_errors_name_the_problem():
                         max_new_tokens=3, spec_streamer=Recorder())
     with pytest.raises(ValueError, match="custom candidate_generator runs one row"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate,
-                        candidate_generator=hf_specdec.DraftCandidateGenerator.__new__(CandidateGenerator),
+                        candidate_generator=CandidateGenerator(),
                         max_new_tokens=3)
     with pytest.raises(ValueError, match="beam search"):
         spec(target, target, num_beams=2, max_new_tokens=3)

@@ -141,8 +141,9 @@ def speculative_generate(
             target_seconds = _clock(model.device) - target_start
 
             # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
-            draft_probs = _draft_probs(draft_scores, draft_tokens, target_scores.shape[-1]) if do_sample else None
+            draft_probs = target_probs = None
             if do_sample:
+                draft_probs = _draft_probs(draft_scores, draft_tokens, target_scores.shape[-1])  # [active, k, vocab]
                 target_probs = logits_to_probs(target_scores)  # [active, k + 1, vocab]
                 num_accepted, emitted = speculative_sampling(draft_tokens, draft_probs, target_probs, generator)
             else:
@@ -179,7 +180,7 @@ def speculative_generate(
                             draft_tokens=draft_tokens[i].tolist(),
                             num_accepted=n,
                             emitted_tokens=batch.generated[row][-num_emitted:],
-                            expected_acceptance=_expected_acceptance(draft_probs, target_scores, i),
+                            expected_acceptance=_expected_acceptance(draft_probs, target_probs, i),
                             draft_seconds=draft_seconds,
                             target_seconds=target_seconds,
                         )
@@ -260,15 +261,14 @@ def _draft_probs(
 
 def _expected_acceptance(
     draft_probs: torch.Tensor | None,  # [active, k, vocab]
-    target_scores: torch.Tensor,  # [active, k + 1, vocab]
+    target_probs: torch.Tensor | None,  # [active, k + 1, vocab]
     i: int,
 ) -> list[float] | None:
     """sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling only)."""
     if draft_probs is None:
         return None
     k = draft_probs.shape[1]
-    target_probs = logits_to_probs(target_scores[i, :k])
-    return torch.minimum(target_probs, draft_probs[i]).sum(-1).tolist()
+    return torch.minimum(target_probs[i, :k], draft_probs[i]).sum(-1).tolist()
 
 
 def _emit(

@@ -40,10 +40,6 @@ def make_rollbackable(cache: Cache) -> Cache:
     return cache
 
 
-def cached_length(cache: Cache) -> int:
-    return cache.get_seq_length()
-
-
 def rollback(caches: Iterable[Cache | None], length: int) -> None:
     """Cut every cache back to its first `length` positions (no-op for a cache already shorter).
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel, TemperatureLogitsWarper
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -77,7 +75,6 @@ class DraftCandidateGenerator(CandidateGenerator):
         self.cache = new_cache(self.model)
         self.row_processors: list | None = None  # per-row pipelines, for batches (see `prepare_batch`)
         self.forwards = 0  # draft forward passes in this generate call
-        self.seconds = 0.0  # wall time in drafting in this generate call
 
     def prepare_batch(self, batch_size: int) -> None:
         """Per-row processor pipelines, for rows that have generated different numbers of tokens."""
@@ -94,7 +91,6 @@ class DraftCandidateGenerator(CandidateGenerator):
         """Draft k tokens per row. `input_ids` may contain masked holes (batched decoding); the
         logits processors then see each row's real sequence, `prefixes`, plus its drafts so far."""
         k = self.num_draft_tokens if num_tokens is None else min(num_tokens, self.num_draft_tokens)
-        start = time.perf_counter()
         ids, mask, scores = input_ids, attention_mask, []
         processor = self.logits_processor if prefixes is None else [self.row_processors[r] for r in rows]
         for _ in range(k):
@@ -109,7 +105,6 @@ class DraftCandidateGenerator(CandidateGenerator):
             ids = torch.cat([ids, token[:, None]], dim=-1)
             if mask is not None:
                 mask = torch.nn.functional.pad(mask, (0, 1), value=1)
-        self.seconds += time.perf_counter() - start
         vocab = self.model.get_output_embeddings().weight.shape[0]
         empty = input_ids.new_empty((input_ids.shape[0], 0, vocab), dtype=torch.float32)
         return ids, torch.stack(scores, dim=1) if scores else empty

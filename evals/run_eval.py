@@ -40,6 +40,17 @@ METRIC = HERE / "metrics" / "speculative_acceptance"
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
 METHODS = ("plain", "assisted", "prompt_lookup", "hf_specdec")
+# hf_specdec with one lever (or all) switched off, for the ablation table (`--ablation`). hf_specdec
+# itself runs the library defaults (adaptive draft length, hybrid n-gram drafts) with the draft
+# quantized to int8 weights (`--draft-bits`, lever 3); "bf16" rows use the unquantized draft.
+ABLATIONS = {
+    "hf_k5_model_only": dict(adaptive=False, ngram=False, num_draft_tokens=5, draft="bf16"),  # all levers off
+    "hf_bf16_draft": dict(draft="bf16"),
+    "hf_no_adaptive": dict(adaptive=False, num_draft_tokens=5),
+    "hf_no_ngram": dict(ngram=False),
+    "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
+}
+HF_METHODS = ("hf_specdec", *ABLATIONS)
 MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 
 
@@ -96,11 +107,12 @@ def load_prompts(tokenizer, categories, per_category: int | None) -> list[dict]:
 class ForwardTimer:
     """Counts and times every forward of a model (public nn.Module hooks; nothing patched)."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, *models: torch.nn.Module):
         self.durations: list[float] = []
         self._start = 0.0
-        model.register_forward_pre_hook(self._pre)
-        model.register_forward_hook(self._post)
+        for model in dict.fromkeys(models):  # the same model once
+            model.register_forward_pre_hook(self._pre)
+            model.register_forward_hook(self._post)
 
     def _pre(self, module, args):
         self._start = time.perf_counter()
@@ -123,19 +135,23 @@ def run_method(method, target, draft, input_ids, mode_kwargs, max_new_tokens, nu
     kwargs = dict(max_new_tokens=max_new_tokens, **mode_kwargs)
     rounds = []
     if method == "assisted":
-        kwargs["assistant_model"] = draft
+        kwargs["assistant_model"] = draft["bf16"]  # transformers' own method, with the draft as loaded
     elif method == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
-    elif method == "hf_specdec":
+    elif method in HF_METHODS:
         kwargs.update(
-            custom_generate=hf_specdec.speculative_generate, assistant=draft, num_draft_tokens=num_draft_tokens,
-            return_dict_in_generate=True, acceptance_sink=rounds.append,
+            custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
+            acceptance_sink=rounds.append,
         )
+        if num_draft_tokens is not None:
+            kwargs["num_draft_tokens"] = num_draft_tokens
+        kwargs.update(ABLATIONS.get(method, {}))
+        kwargs["assistant"] = draft[kwargs.pop("draft", "hf")]
     torch.manual_seed(seed)
     start = time.perf_counter()
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
     seconds = time.perf_counter() - start
-    if method == "hf_specdec":
+    if method in HF_METHODS:
         return out.sequences, seconds, out.acceptance, rounds
     return out, seconds, None, rounds
 
@@ -182,8 +198,9 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
 
 
 def _acceptance(method, record, stats, rounds) -> dict:
-    if method == "hf_specdec":
+    if method in HF_METHODS:
         return dict(
+            ngram_rounds=stats.ngram_rounds, plain_rounds=stats.plain_rounds,
             drafted=stats.drafted, accepted=stats.accepted, rounds=stats.rounds,
             acceptance_rate=stats.acceptance_rate, token_acceptance=stats.token_acceptance,
             per_position_drafted=stats.drafted_per_position, per_position_reached=stats.reached_per_position,
@@ -241,7 +258,7 @@ def summarise(records, metric) -> dict:
     _per_token_speedups(records)
     summary = {}
     for mode in MODES:
-        for method in METHODS:
+        for method in METHODS + tuple(ABLATIONS):
             if method == "plain":
                 continue
             per_category = {}
@@ -262,13 +279,16 @@ def summarise(records, metric) -> dict:
                 )
                 if "drafted" in ok[0]:
                     entry["acceptance_rate"] = sum(max(0, r["accepted"]) for r in ok) / max(1, sum(r["drafted"] for r in ok))
-                if method == "hf_specdec":
+                if method in HF_METHODS:
+                    entry["ngram_rounds"] = sum(r.get("ngram_rounds", 0) for r in ok)
+                    entry["plain_rounds"] = sum(r.get("plain_rounds", 0) for r in ok)
+                    entry["rounds"] = sum(r["rounds"] for r in ok)
                     rounds = _round_stats(ok)
                     alpha, k = rounds.token_acceptance, max(1, round(rounds.drafted / max(1, rounds.rounds)))
                     entry["token_acceptance"] = alpha
                     entry["per_position_acceptance"] = rounds.per_position_rate
                     entry["geometric_tokens_per_round"] = (1 - alpha ** (k + 1)) / (1 - alpha) if alpha < 1 else k + 1.0
-                if method == "hf_specdec":
+                if method in HF_METHODS:
                     log = [step for r in ok for step in r["round_log"]]
                     entry["metric"] = metric.compute(
                         drafted=[d for d, _, _ in log], accepted=[a for _, a, _ in log], emitted=[e for _, _, e in log],
@@ -363,17 +383,22 @@ def plot(records, summary, out: Path, num_draft_tokens: int) -> None:
 
     # 3. Measured tokens per round against the geometric law (1 - a^(k+1)) / (1 - a), where a is the
     #    per-token acceptance accepted / reached (not accepted / drafted, which is tied to tokens per
-    #    round by an identity and would make the comparison circular).
+    #    round by an identity and would make the comparison circular). The law assumes a fixed k, so
+    #    it is drawn for the fixed-length ablation (k = 5, model drafts only) when that ran.
+    fixed = "hf_k5_model_only"
+    rows = [r for r in records if r["method"] == fixed and "error" not in r]
+    if not rows:
+        return
+    k = ABLATIONS[fixed]["num_draft_tokens"]
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     curve_a = [i / 100 for i in range(100)]
-    ax.plot(curve_a, [(1 - a ** (num_draft_tokens + 1)) / (1 - a) for a in curve_a], color="black", label=f"(1-a^(k+1))/(1-a), k={num_draft_tokens}")
+    ax.plot(curve_a, [(1 - a ** (k + 1)) / (1 - a) for a in curve_a], color="black", label=f"(1-a^(k+1))/(1-a), k={k}")
     for mode, marker in zip(MODES, "os"):
-        rows = [r for r in records if r["mode"] == mode and r["method"] == "hf_specdec" and "error" not in r]
-        per_prompt = [_round_stats([r]) for r in rows]
+        per_prompt = [_round_stats([r]) for r in rows if r["mode"] == mode]
         ax.scatter([s.token_acceptance for s in per_prompt], [s.mean_tokens_per_round for s in per_prompt],
                    marker=marker, label=mode, alpha=0.7)
     ax.set_xlabel("per-token acceptance a = accepted / reached (per prompt)")
-    ax.set_ylabel("tokens per round (measured)")
+    ax.set_ylabel(f"tokens per round (measured, {fixed})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "tokens_per_round_vs_geometric.png", dpi=120)
@@ -467,8 +492,19 @@ def load_pair(target_name, draft_name, device, device_map):
     return target, draft, tokenizer
 
 
+def drafts_by_precision(draft, bits: int) -> dict:
+    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (weight-only quantized to `bits`)}."""
+    if bits == 16:
+        return {"bf16": draft, "hf": draft}
+    import copy
+
+    from hf_specdec.quantize import quantize_weights
+
+    return {"bf16": draft, "hf": quantize_weights(copy.deepcopy(draft), bits)}
+
+
 def main(target, draft, preset, categories, modes, methods, out, num_draft_tokens, prompts_per_category,
-         max_new_tokens, device_map, threads, batch_sizes=None):
+         max_new_tokens, device_map, threads, batch_sizes=None, draft_bits=8):
     import evaluate
     from accelerate import Accelerator
     from accelerate.utils import gather_object
@@ -480,19 +516,20 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
     settings = PRESETS[preset]
     per_category = prompts_per_category if prompts_per_category is not None else settings.prompts_per_category
     max_new_tokens = max_new_tokens or settings.max_new_tokens
-    bad = set(methods) - set(METHODS)
+    bad = set(methods) - set(METHODS) - set(ABLATIONS)
     if bad or "plain" not in methods:
-        raise SystemExit(f"methods must include plain and come from {', '.join(METHODS)}; got {methods}")
+        raise SystemExit(f"methods must include plain and come from {', '.join(METHODS + tuple(ABLATIONS))}; got {methods}")
     bad = set(modes) - set(MODES)
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
 
     target_model, draft_model, tokenizer = load_pair(target, draft, accelerator.device, device_map)
+    draft_model = drafts_by_precision(draft_model, draft_bits)
     if batch_sizes:
-        return run_batch_study(target_model, draft_model, tokenizer, categories, per_category, batch_sizes,
+        return run_batch_study(target_model, draft_model["hf"], tokenizer, categories, per_category, batch_sizes,
                                max_new_tokens, num_draft_tokens, Path(out), dict(target=target, draft=draft, preset=preset))
     prompts = load_prompts(tokenizer, categories, per_category)
-    timers = {"target": ForwardTimer(target_model), "draft": ForwardTimer(draft_model)}
+    timers = {"target": ForwardTimer(target_model), "draft": ForwardTimer(*draft_model.values())}
     # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
     evaluate_prompt(prompts[0], target_model, draft_model, timers, modes, methods, 8, num_draft_tokens, 0)
 
@@ -515,7 +552,7 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
     metric = evaluate.load(str(METRIC))
     summary = summarise(records, metric)
     config = dict(target=target, draft=draft, preset=preset, categories=list(categories), modes=list(modes),
-                  methods=list(methods), num_draft_tokens=num_draft_tokens, prompts_per_category=per_category,
+                  methods=list(methods), num_draft_tokens=num_draft_tokens, draft_bits=draft_bits, prompts_per_category=per_category,
                   max_new_tokens=max_new_tokens, processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),
                   torch=torch.__version__, transformers=__import__("transformers").__version__)
     with open(out / "records.jsonl", "w") as f:
@@ -574,7 +611,10 @@ def parse_args(argv=None):
     parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
     parser.add_argument("--out", default="runs/eval")
-    parser.add_argument("--num-draft-tokens", type=int, default=hf_specdec.SpeculativeConfig.num_draft_tokens)
+    parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
+    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
+                        help="weight-only quantization of hf_specdec's draft (16: none); assisted uses the draft as loaded")
+    parser.add_argument("--ablation", action="store_true", help=f"also run hf_specdec with levers off: {', '.join(ABLATIONS)}")
     parser.add_argument("--prompts-per-category", type=int, default=None, help="override the preset")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
@@ -591,6 +631,7 @@ if __name__ == "__main__":
     if args.from_records:
         replot(Path(args.from_records), Path(args.out), args.num_draft_tokens)
         sys.exit(0)
-    main(args.target, args.draft, args.preset, args.categories, args.modes, args.methods, args.out,
+    methods = args.methods + [m for m in ABLATIONS if args.ablation and m not in args.methods]
+    main(args.target, args.draft, args.preset, args.categories, args.modes, methods, args.out,
          args.num_draft_tokens, args.prompts_per_category, args.max_new_tokens, args.device_map, args.threads,
-         args.batch_sizes)
+         args.batch_sizes, args.draft_bits)

@@ -14,16 +14,41 @@ class SpeculativeConfig:
     these settings only change speed, never the distribution.
     """
 
-    # Draft tokens proposed per round (k in Leviathan et al. 2023). 5 is transformers' default
-    # for assisted generation and a reasonable value when a draft step costs ~1/3 of a target step.
-    num_draft_tokens: int = 5
+    # Draft-model tokens per round: the maximum when `adaptive` (the cost model stops earlier),
+    # the exact count otherwise (k in Leviathan et al. 2023).
+    num_draft_tokens: int = 8
     # Optional temperature used for the draft only (q hotter or colder than p). None: the draft is
     # warped exactly like the target. Exactness holds for any q, because q is always the
     # distribution the draft token was actually sampled from.
     draft_temperature: float | None = None
+    # Cost-model draft lengths, early stop on low draft confidence, fallback to plain decoding
+    # (`hf_specdec.policy.DraftPolicy`).
+    adaptive: bool = True
+    # Hybrid drafts: propose the continuation of an earlier occurrence of the last n tokens
+    # (n = ngram_max_size .. ngram_min_size) when the cost model expects it to beat the draft model.
+    ngram: bool = True
+    ngram_max_size: int = 3
+    ngram_min_size: int = 2
+    ngram_max_tokens: int = 16
+    # Reduced-vocabulary draft head: the draft proposes only token ids below this (the tokenizer's
+    # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
+    # the EOS tokens. None: the full vocabulary. Exact either way (q is zero outside the subset).
+    draft_vocab_size: int | None = None
+    # Pin the draft/target step cost ratio instead of measuring it (seeded runs then repeat exactly).
+    draft_cost: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
         if self.draft_temperature is not None and not self.draft_temperature > 0:
             raise ValueError(f"draft_temperature must be > 0 (or None), got {self.draft_temperature!r}")
+        if not 1 <= self.ngram_min_size <= self.ngram_max_size:
+            raise ValueError(
+                f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}"
+            )
+        if self.ngram_max_tokens < 1:
+            raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
+        if self.draft_cost is not None and not self.draft_cost >= 0:
+            raise ValueError(f"draft_cost must be >= 0 (or None), got {self.draft_cost!r}")

@@ -12,6 +12,7 @@ for token identical to plain greedy).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ from .batch import RaggedBatch
 from .cache import check_cache, extend, make_rollbackable, new_cache, rollback
 from .candidates import DraftCandidateGenerator, with_draft_temperature
 from .config import SpeculativeConfig
-from .sampling import logits_to_probs, process_logits, row_pipelines, with_drafts
+from .ngram import ngram_lookup
+from .policy import DRAFT, NGRAM, NONE, DraftPolicy
+from .sampling import logits_to_probs, process_positions, row_pipelines
 from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import greedy_verification, speculative_sampling
 
@@ -58,13 +61,19 @@ def speculative_generate(
     generator: torch.Generator | None = None,
     candidate_generator: CandidateGenerator | None = None,
     spec_streamer: BaseStreamer | None = None,
+    adaptive: bool | None = None,
+    ngram: bool | None = None,
+    draft_vocab_size: int | None = None,
+    draft_cost: float | None = None,
+    speculative_config: SpeculativeConfig | None = None,
     **model_kwargs: Any,
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
     """Speculative decoding as a transformers custom generation strategy.
 
     Args (beyond those `generate()` passes to every decoding method):
         assistant: the draft model; must share the target's vocabulary.
-        num_draft_tokens: draft tokens per round (default `SpeculativeConfig.num_draft_tokens`).
+        num_draft_tokens: draft-model tokens per round: the maximum with `adaptive` (default 8), the
+            exact count without.
         draft_temperature: optional temperature for the draft only (q hotter or colder than p).
         acceptance_sink: a callable receiving one `RoundRecord` per round, or a path that gets
             them as JSON Lines.
@@ -74,28 +83,44 @@ def speculative_generate(
         spec_streamer: a streamer (e.g. `TextStreamer`). transformers does not forward `streamer=`
             to a `custom_generate` *callable*, so pass it under this name; the directory form
             (`hf_specdec.CUSTOM_GENERATE_DIR`) accepts the standard `streamer=`.
+        adaptive: cost-model draft lengths, early stop, fallback to plain rounds (default True).
+        ngram: hybrid drafts, n-gram lookup proposals as point masses (default True; one row only).
+        draft_vocab_size: reduced-vocabulary draft head (default None: the full vocabulary).
+        draft_cost: pin the draft/target cost ratio instead of measuring it.
+        speculative_config: a `SpeculativeConfig` with all of the above; explicit arguments override it.
 
     Returns the sequences tensor, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
-    config = SpeculativeConfig(
-        num_draft_tokens=SpeculativeConfig.num_draft_tokens if num_draft_tokens is None else num_draft_tokens,
-        draft_temperature=draft_temperature,
+    overrides = dict(
+        num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature, adaptive=adaptive, ngram=ngram,
+        draft_vocab_size=draft_vocab_size, draft_cost=draft_cost,
+    )
+    config = dataclasses.replace(
+        speculative_config or SpeculativeConfig(), **{k: v for k, v in overrides.items() if v is not None}
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
     if input_ids.shape[0] > 1 and (streamer is not None or spec_streamer is not None):
         raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     do_sample = bool(generation_config.do_sample)
     target_cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
+    # The cost model drives the default draft-model generator; a user's own generator drafts as it likes.
+    policy = None
     if candidate_generator is None:
         draft_processor = logits_processor
         if config.draft_temperature is not None and do_sample:
             draft_processor = with_draft_temperature(logits_processor, config.draft_temperature)
+        policy = DraftPolicy(max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive, draft_cost=config.draft_cost)
         candidate_generator = DraftCandidateGenerator(
-            assistant, draft_processor, config.num_draft_tokens, do_sample, generator
+            assistant, draft_processor, config.num_draft_tokens, do_sample, generator, policy=policy
         )
+        if config.draft_vocab_size is not None:
+            candidate_generator.restrict_vocabulary(_draft_vocabulary(
+                config.draft_vocab_size, assistant.get_output_embeddings().weight.shape[0], input_ids, generation_config
+            ))
     elif isinstance(candidate_generator, DraftCandidateGenerator):
         candidate_generator.reset()  # a generator passed in may hold the cache of an earlier call
+    use_ngram = policy is not None and config.ngram and input_ids.shape[0] == 1
     # Rows that accepted different numbers of tokens get their processors applied row by row.
     target_rows = row_pipelines(logits_processor, input_ids.shape[0]) if input_ids.shape[0] > 1 else None
     if isinstance(candidate_generator, DraftCandidateGenerator):
@@ -112,6 +137,7 @@ def speculative_generate(
         streamer = spec_streamer
         streamer.put(input_ids.cpu())
 
+    draft_warm = False  # the draft's first forward encodes the prompt: not a step to time
     try:
         while batch.size:
             seq_len = batch.ids.shape[1]
@@ -120,10 +146,29 @@ def speculative_generate(
             real = batch.real_sequences()  # what processors see: tensor, or one sequence per row
             processor = logits_processor if isinstance(real, torch.Tensor) else [target_rows[r] for r in batch.rows]
 
-            # 1. Draft: k candidate tokens per row and the processed draft scores they were drawn from.
+            # 1. Draft: the cost model picks the source (draft model, n-gram lookup, or nothing: a plain
+            #    step); then k candidate tokens per row and the processed draft scores they were drawn
+            #    from (None for n-gram proposals: point masses).
+            source, confidences = DRAFT, None
             draft_start = _clock(model.device)
-            candidate_ids, draft_scores = _get_candidates(candidate_generator, batch, k, real)
+            forwards_before = getattr(candidate_generator, "forwards", 0)
+            if policy is not None:
+                proposal = None
+                if use_ngram and k > 0:
+                    proposal, _ = ngram_lookup(
+                        batch.real_sequence(0)[0], config.ngram_max_size, config.ngram_min_size,
+                        min(config.ngram_max_tokens, batch.remaining(generation_config.max_length) - 1),
+                    )
+                source, length = policy.plan(0 if proposal is None else proposal.shape[0]) if k > 0 else (NONE, 0)
+            if source == NGRAM:
+                candidate_ids, draft_scores = torch.cat([batch.ids, proposal[None, :length]], dim=1), None
+            elif source == NONE:
+                candidate_ids, draft_scores = batch.ids, None
+            else:
+                candidate_ids, draft_scores = _get_candidates(candidate_generator, batch, k, real)
+                confidences = getattr(candidate_generator, "last_confidences", None)
             draft_seconds = _clock(model.device) - draft_start
+            draft_forwards = getattr(candidate_generator, "forwards", 0) - forwards_before
             draft_tokens = candidate_ids[:, seq_len:]  # [active, k]
             k = draft_tokens.shape[1]
 
@@ -131,13 +176,7 @@ def speculative_generate(
             #    target's scores at each of the k + 1 positions, each with its row's own prefix.
             target_start = _clock(model.device)
             target_logits = extend(model, target_cache, candidate_ids, _pad_mask(batch.mask, k), num_logits=k + 1)
-            target_scores = torch.stack(
-                [
-                    process_logits(processor, with_drafts(real, draft_tokens[:, :i]), target_logits[:, i])
-                    for i in range(k + 1)
-                ],
-                dim=1,
-            )  # [active, k + 1, vocab]
+            target_scores = process_positions(processor, real, draft_tokens, target_logits)  # [active, k + 1, vocab]
             target_seconds = _clock(model.device) - target_start
 
             # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
@@ -156,6 +195,11 @@ def speculative_generate(
             rows = torch.arange(batch.size, device=emitted.device)
             batch.append_round(draft_tokens[:, :m], num_accepted, emitted[rows, num_accepted])
             candidate_generator.update_candidate_strategy(batch.ids, target_scores, m)
+            if policy is not None:
+                if stats.rounds > 0 and (draft_forwards == 0 or draft_warm):  # skip prefills: not steps
+                    policy.observe_timing(draft_seconds, draft_forwards, target_seconds, k + 1)
+                draft_warm = draft_warm or draft_forwards > 0
+                policy.observe_round(source, k, num_accepted.tolist(), confidences)
 
             # 5. Emit, row by row and token by token through the stopping criteria, so that a stop
             #    inside the block (EOS, max_length, a user criterion) ends that row exactly there.
@@ -183,9 +227,12 @@ def speculative_generate(
                             expected_acceptance=_expected_acceptance(draft_probs, target_probs, i),
                             draft_seconds=draft_seconds,
                             target_seconds=target_seconds,
+                            source=source,
                         )
                     )
             stats.rounds += 1
+            stats.ngram_rounds += source == NGRAM
+            stats.plain_rounds += source == NONE
             stats.target_forwards += 1
             stats.draft_seconds += draft_seconds
             stats.target_seconds += target_seconds
@@ -220,6 +267,16 @@ def speculative_generate(
         acceptance=stats,
         acceptance_per_row=row_stats,
     )
+
+
+def _draft_vocabulary(
+    size: int, vocab: int, input_ids: torch.Tensor, generation_config: GenerationConfig
+) -> torch.Tensor:
+    """Token ids the reduced draft head scores: ids below `size`, the prompt's tokens, EOS tokens."""
+    eos = generation_config.eos_token_id
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    parts = [torch.arange(min(size, vocab), device=input_ids.device), input_ids.flatten(), torch.tensor(eos, dtype=torch.long, device=input_ids.device)]
+    return torch.cat(parts).unique()
 
 
 def _clock(device: torch.device) -> float:

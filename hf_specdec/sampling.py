@@ -31,6 +31,17 @@ ROW_INDEPENDENT = tuple(
     if hasattr(lp, name)
 )
 
+# Processors that never read input_ids: one call can process many positions' scores at once.
+PREFIX_FREE = tuple(
+    getattr(lp, name)
+    for name in (
+        "TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper", "MinPLogitsWarper", "TopHLogitsWarper",
+        "TypicalLogitsWarper", "EpsilonLogitsWarper", "EtaLogitsWarper", "InfNanRemoveLogitsProcessor",
+        "LogitNormalization",
+    )
+    if hasattr(lp, name)
+)
+
 # A LogitsProcessorList or anything with the same call signature: (input_ids, scores) -> scores.
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -53,6 +64,30 @@ def process_logits(
     return torch.cat(
         [pipeline(p[None], scores[b : b + 1]) if pipeline else scores[b : b + 1]
          for b, (pipeline, p) in enumerate(zip(processor, prefix_ids))]
+    )
+
+
+def process_positions(
+    processor: Processor | Sequence[Processor] | None,
+    real: torch.Tensor | Sequence[torch.Tensor],  # [batch, seq], or one [len_b] per row
+    draft_tokens: torch.Tensor,  # [batch, k]
+    logits: torch.Tensor,  # [batch, k + 1, vocab]: raw logits after real, real + d1, ..., real + d1..dk
+) -> torch.Tensor:  # [batch, k + 1, vocab] float32 scores
+    """`process_logits` at each of k + 1 positions, each with its own prefix (real + the drafts before
+    it). When no processor reads the prefix (temperature, top-k, top-p, ...), all positions go
+    through the pipeline in one call: the same row-wise operations, far less per-call overhead
+    (top-p sorts the whole vocabulary for each row)."""
+    batch, positions, vocab = logits.shape
+    if (
+        isinstance(real, torch.Tensor)
+        and isinstance(processor, LogitsProcessorList)
+        and all(isinstance(p, PREFIX_FREE) for p in processor)
+    ):
+        flat = logits.reshape(batch * positions, vocab)
+        return process_logits(processor, real.repeat_interleave(positions, dim=0), flat).view(batch, positions, vocab)
+    return torch.stack(
+        [process_logits(processor, with_drafts(real, draft_tokens[:, :i]), logits[:, i]) for i in range(positions)],
+        dim=1,
     )
 
 

@@ -25,6 +25,7 @@ class RoundRecord:
     expected_acceptance: list[float] | None = None
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    source: str = "draft"  # "draft" (draft model), "ngram" (n-gram lookup, point-mass q) or "none" (plain step)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -40,6 +41,8 @@ class AcceptanceStats:
     emitted: int = 0  # tokens appended to the output (may be cut short by a stop)
     draft_forwards: int = 0
     target_forwards: int = 0
+    ngram_rounds: int = 0  # rounds whose proposal came from n-gram lookup (hybrid drafting)
+    plain_rounds: int = 0  # rounds that drafted nothing (the cost model fell back to plain decoding)
     draft_seconds: float = 0.0  # wall time inside draft forwards and draft sampling
     target_seconds: float = 0.0  # wall time inside target forwards
     # Index i counts draft position i + 1: how often it was drafted, reached (every earlier position
@@ -100,7 +103,9 @@ class AcceptanceStats:
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         """Sum of two sets of counters (e.g. over prompts)."""
         merged = AcceptanceStats()
-        for name in ("rounds", "drafted", "accepted", "emitted", "draft_forwards", "target_forwards"):
+        for name in (
+            "rounds", "drafted", "accepted", "emitted", "draft_forwards", "target_forwards", "ngram_rounds", "plain_rounds"
+        ):
             setattr(merged, name, getattr(self, name) + getattr(other, name))
         merged.draft_seconds = self.draft_seconds + other.draft_seconds
         merged.target_seconds = self.target_seconds + other.target_seconds

@@ -12,6 +12,9 @@ from pathlib import Path
 from .candidates import DraftCandidateGenerator
 from .config import SpeculativeConfig
 from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
+from .ngram import NgramCandidateGenerator
+from .policy import DraftPolicy
+from .quantize import quantize_weights
 from .stats import AcceptanceStats, RoundRecord
 from .verify import greedy_verification, speculative_sampling
 
@@ -25,10 +28,13 @@ __all__ = [
     "CUSTOM_GENERATE_DIR",
     "AcceptanceStats",
     "DraftCandidateGenerator",
+    "DraftPolicy",
+    "NgramCandidateGenerator",
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "greedy_verification",
+    "quantize_weights",
     "speculative_generate",
     "speculative_sampling",
 ]

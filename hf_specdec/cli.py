@@ -38,9 +38,14 @@ def generate_command(args: argparse.Namespace) -> None:
     target, tokenizer = load_model(args.target, device=args.device)
     draft, draft_tokenizer = load_model(args.draft, device=args.device)
     check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    if args.draft_bits != 16:
+        from .quantize import quantize_weights
+
+        quantize_weights(draft, args.draft_bits, group_size=32)  # the draft only: exactness is untouched
     inputs = chat_inputs(tokenizer, args.prompt, target.device)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling_kwargs(args.temperature, args.top_p))
-    spec = dict(custom_generate=speculative_generate, assistant=draft, num_draft_tokens=args.num_draft_tokens)
+    spec = dict(custom_generate=speculative_generate, assistant=draft, num_draft_tokens=args.num_draft_tokens,
+                adaptive=not args.fixed, ngram=not args.fixed)
 
     # Warm up both paths once, then time them interleaved (plain, speculative, plain, ...).
     target.generate(**inputs, max_new_tokens=4, do_sample=False)
@@ -66,7 +71,8 @@ def generate_command(args: argparse.Namespace) -> None:
     print(f"hf_specdec:              {spec_s:.2f} s   ({new_tokens / spec_s:.1f} tokens/s)")
     print(f"speedup:                 {plain_s / spec_s:.2f}x (median of {args.repeats} interleaved pair(s))")
     print(f"acceptance rate:         {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted} draft tokens)")
-    print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds")
+    print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds "
+          f"({stats.ngram_rounds} from n-gram lookup, {stats.plain_rounds} plain steps)")
     print(f"acceptance by position:  {' '.join(f'{r:.2f}' for r in stats.per_position_rate)}")
     if not common["do_sample"]:
         print(f"identical to plain greedy: {torch.equal(out.sequences, plain)}")
@@ -80,7 +86,10 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--target", default=TARGET.name, help="registry name, local folder or hub id")
     gen.add_argument("--draft", default=DRAFT.name, help="registry name, local folder or hub id")
     gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--num-draft-tokens", type=int, default=5)
+    gen.add_argument("--num-draft-tokens", type=int, default=None, help="most draft tokens per round (default 8)")
+    gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
+                     help="weight-only quantization of the draft (16: none); default int8")
+    gen.add_argument("--fixed", action="store_true", help="fixed draft length, draft-model proposals only")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
     gen.add_argument("--top-p", type=float, default=0.95)
     gen.add_argument("--repeats", type=int, default=1, help="interleaved timing pairs (median reported)")

@@ -29,7 +29,7 @@ class SpeculativeConfig:
     ngram: bool = True
     ngram_max_size: int = 3
     ngram_min_size: int = 2
-    ngram_max_tokens: int = 16
+    ngram_max_tokens: int = 32
     # Reduced-vocabulary draft head: the draft proposes only token ids below this (the tokenizer's
     # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
     # the EOS tokens. None: the full vocabulary. Exact either way (q is zero outside the subset).

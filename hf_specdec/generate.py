@@ -173,20 +173,20 @@ def speculative_generate(
             k = draft_tokens.shape[1]
 
             # 2. Verify: one target forward over the pending column(s) plus the k drafts; then the
-            #    target's scores at each of the k + 1 positions, each with its row's own prefix.
+            #    target's scores at each position, each with its row's own prefix.
+            # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
             target_start = _clock(model.device)
             target_logits = extend(model, target_cache, candidate_ids, _pad_mask(batch.mask, k), num_logits=k + 1)
-            target_scores = process_positions(processor, real, draft_tokens, target_logits)  # [active, k + 1, vocab]
-            target_seconds = _clock(model.device) - target_start
-
-            # 3. Accept: per row, the longest acceptable prefix plus one recovered or bonus token.
             draft_probs = target_probs = None
             if do_sample:
-                draft_probs = _draft_probs(draft_scores, draft_tokens, target_scores.shape[-1])  # [active, k, vocab]
-                target_probs = logits_to_probs(target_scores)  # [active, k + 1, vocab]
-                num_accepted, emitted = speculative_sampling(draft_tokens, draft_probs, target_probs, generator)
+                draft_probs = _draft_probs(draft_scores, draft_tokens, target_logits.shape[-1])  # [active, k, vocab]
+                num_accepted, emitted, target_scores, target_probs = _verify_sampling(
+                    processor, real, draft_tokens, draft_probs, target_logits, generator
+                )  # target_scores: [active, positions processed <= k + 1, vocab]
             else:
+                target_scores = process_positions(processor, real, draft_tokens, target_logits)  # [active, k + 1, vocab]
                 num_accepted, emitted = greedy_verification(draft_tokens, target_scores)
+            target_seconds = _clock(model.device) - target_start
 
             # 4. Roll back: both caches keep the draft columns some row accepted (the others' slots
             #    there become masked holes); columns every row rejected are cropped.
@@ -303,6 +303,57 @@ def _get_candidates(
     return candidate_ids[:, :keep], None if candidate_logits is None else candidate_logits[:, :k]
 
 
+def _verify_sampling(
+    processor,
+    real: torch.Tensor | list[torch.Tensor],
+    draft_tokens: torch.Tensor,  # [active, k]
+    draft_probs: torch.Tensor,  # [active, k, vocab]: q
+    target_logits: torch.Tensor,  # [active, k + 1, vocab]: raw
+    generator: torch.Generator | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rejection rule with p computed lazily, chunk by chunk (positions [0, 4), then 8 more, ...),
+    until every row has rejected a draft or reached the bonus position. Positions after a row's
+    first rejection never matter, and processing one costs a full-vocabulary pass (top-p sorts the
+    vocabulary): with 16-token n-gram proposals that is most of a round's processing.
+
+    Exact: the rule tests draft i with its own uniform draw given that 1..i-1 were accepted, so
+    testing a chunk, and continuing with the next chunk when all of it was accepted, is the same
+    test. When a chunk is all accepted, the token the rule drew from p at the chunk's last position
+    (a would-be bonus) is discarded and that position's draft is tested in the next chunk instead.
+
+    Returns num_accepted [active], emitted [active, k + 1] (accepted drafts, then the recovered or
+    bonus token, then -1), the processed target scores and probabilities of the positions computed.
+    """
+    rows, k = draft_tokens.shape
+    num_accepted = torch.zeros(rows, dtype=torch.long, device=draft_tokens.device)
+    final = torch.full((rows,), -1, dtype=torch.long, device=draft_tokens.device)
+    done = torch.zeros(rows, dtype=torch.bool, device=draft_tokens.device)
+    scores, probs = [], []
+    start, chunk = 0, 4  # the first draft position this chunk tests
+    while True:
+        have = sum(s.shape[1] for s in scores)
+        end = min(k + 1, start + chunk)  # p is needed at positions [start, end)
+        if end > have:
+            new = process_positions(processor, real, draft_tokens, target_logits, start=have, stop=end)
+            scores.append(new)
+            probs.append(logits_to_probs(new))
+        p = torch.cat(probs, dim=1)[:, start:end]  # [active, end - start, vocab]
+        n, emitted = speculative_sampling(draft_tokens[:, start : end - 1], draft_probs[:, start : end - 1], p, generator)
+        open_rows = ~done
+        rejected = n < end - 1 - start
+        finish = open_rows & (rejected | (end == k + 1))
+        num_accepted = torch.where(open_rows, start + n, num_accepted)
+        final = torch.where(finish, emitted.gather(1, n[:, None])[:, 0], final)
+        done |= finish
+        if bool(done.all()):
+            break
+        start, chunk = end - 1, 2 * chunk
+    emitted = torch.cat([draft_tokens, draft_tokens.new_full((rows, 1), -1)], dim=1)
+    emitted[torch.arange(rows, device=emitted.device), num_accepted] = final
+    emitted[torch.arange(k + 1, device=emitted.device)[None, :] > num_accepted[:, None]] = -1
+    return num_accepted, emitted, torch.cat(scores, dim=1), torch.cat(probs, dim=1)
+
+
 def _draft_probs(
     draft_scores: torch.Tensor | None,  # [batch, k, vocab] processed draft scores, or None
     draft_tokens: torch.Tensor,  # [batch, k]
@@ -321,11 +372,12 @@ def _expected_acceptance(
     target_probs: torch.Tensor | None,  # [active, k + 1, vocab]
     i: int,
 ) -> list[float] | None:
-    """sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling only)."""
+    """sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling only), for
+    the positions whose p was computed: every reached position, and perhaps a few after it."""
     if draft_probs is None:
         return None
-    k = draft_probs.shape[1]
-    return torch.minimum(target_probs[i, :k], draft_probs[i]).sum(-1).tolist()
+    k = min(draft_probs.shape[1], target_probs.shape[1])
+    return torch.minimum(target_probs[i, :k], draft_probs[i, :k]).sum(-1).tolist()
 
 
 def _emit(

@@ -72,11 +72,15 @@ def process_positions(
     real: torch.Tensor | Sequence[torch.Tensor],  # [batch, seq], or one [len_b] per row
     draft_tokens: torch.Tensor,  # [batch, k]
     logits: torch.Tensor,  # [batch, k + 1, vocab]: raw logits after real, real + d1, ..., real + d1..dk
-) -> torch.Tensor:  # [batch, k + 1, vocab] float32 scores
-    """`process_logits` at each of k + 1 positions, each with its own prefix (real + the drafts before
-    it). When no processor reads the prefix (temperature, top-k, top-p, ...), all positions go
-    through the pipeline in one call: the same row-wise operations, far less per-call overhead
-    (top-p sorts the whole vocabulary for each row)."""
+    start: int = 0,
+    stop: int | None = None,
+) -> torch.Tensor:  # [batch, stop - start, vocab] float32 scores
+    """`process_logits` at positions start..stop-1 of the k + 1, each with its own prefix (real + the
+    drafts before it). When no processor reads the prefix (temperature, top-k, top-p, ...), the
+    positions go through the pipeline in one call: the same row-wise operations, far less per-call
+    overhead."""
+    stop = logits.shape[1] if stop is None else stop
+    logits = logits[:, start:stop]
     batch, positions, vocab = logits.shape
     if (
         isinstance(real, torch.Tensor)
@@ -86,7 +90,10 @@ def process_positions(
         flat = logits.reshape(batch * positions, vocab)
         return process_logits(processor, real.repeat_interleave(positions, dim=0), flat).view(batch, positions, vocab)
     return torch.stack(
-        [process_logits(processor, with_drafts(real, draft_tokens[:, :i]), logits[:, i]) for i in range(positions)],
+        [
+            process_logits(processor, with_drafts(real, draft_tokens[:, : start + i]), logits[:, i])
+            for i in range(positions)
+        ],
         dim=1,
     )
 

@@ -21,6 +21,7 @@ def left_padded(prompts):
 
 
 def spec(model, draft, ids, mask, **kwargs):
+    kwargs = {"adaptive": False, "ngram": False, **kwargs}  # fixed k: the levers are tested in test_levers.py
     return model.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate,
                           assistant=draft, **kwargs)
 

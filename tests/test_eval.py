@@ -19,7 +19,8 @@ from hf_specdec.pair import GgufSource, ModelFileError, assemble
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT / "evals" / "run_eval.py"
 TINY_ARGS = ["--target", "tiny", "--draft", "tiny", "--prompts-per-category", "1", "--max-new-tokens", "12",
-             "--categories", "qa", "humaneval", "--threads", "1"]
+             "--categories", "qa", "humaneval", "--threads", "1",
+             "--methods", "plain", "assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"]
 
 
 def run(cmd, **kwargs):
@@ -33,11 +34,11 @@ def check_outputs(out: Path, processes: int):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["processes"] == processes
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    # 2 prompts x 2 modes x 4 methods, gathered from every process.
-    assert len(records) == 2 * 2 * 4
+    # 2 prompts x 2 modes x 5 methods, gathered from every process.
+    assert len(records) == 2 * 2 * 5
     assert {r["id"] for r in records} == {r["id"] for r in records if r["method"] == "plain"}
     greedy = summary["summary"]["greedy"]
-    for method in ("assisted", "prompt_lookup", "hf_specdec"):
+    for method in ("assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"):
         for category in ("qa", "humaneval"):
             entry = greedy[method]["categories"][category]
             assert entry["all_match_plain"] is True
@@ -148,3 +149,28 @@ def test_tokenizer_and_vocabulary_mismatch_are_named():
     draft_tok.add_tokens(["<extra>"])
     with pytest.raises(ValueError, match=r"tokenizer mismatch.*only in draft \['<extra>'\]"):
         check_same_vocabulary(target_tok, draft_tok)
+
+
+ANALYSES = Path(__file__).resolve().parents[1] / "evals" / "analyses.py"
+
+
+def test_analyses_end_to_end_on_tiny_models(tmp_path):
+    run([sys.executable, str(ANALYSES), "--target", "tiny", "--draft", "tiny", "--categories", "qa", "humaneval",
+         "--max-new-tokens", "12", "--threads", "1", "--out", str(tmp_path)])
+    summary = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    law = summary["geometric_law"]["rows"]
+    assert [r["k"] for r in law] == list(range(1, 9))
+    for r in law:  # tokens per round can never exceed k + 1, and the law is evaluated at the measured a
+        assert 1 <= r["measured_tokens_per_forward"] <= r["k"] + 1
+        a = r["token_acceptance"]
+        assert r["geometric"] == (r["k"] + 1 if a >= 1 else (1 - a ** (r["k"] + 1)) / (1 - a))
+    temps = [r["temperature"] for r in summary["temperature"]]
+    assert temps[0] == 0.0 and temps[-1] == 2.0
+    assert all(0 <= r["one_minus_tv"] <= 1 for r in summary["temperature"] if r["one_minus_tv"] is not None)
+    assert summary["quantized_drafts"][0]["draft"] == "bf16"
+    for name in ("geometric_law.png", "acceptance_by_position.png", "acceptance_vs_temperature.png", "report.md"):
+        assert (tmp_path / name).exists(), name
+    # the report rebuilds from the records alone
+    run([sys.executable, str(ANALYSES), "--from-records", str(tmp_path / "records.jsonl"), "--out", str(tmp_path / "again")])
+    again = json.loads((tmp_path / "again" / "summary.json").read_text())["summary"]
+    assert again == summary

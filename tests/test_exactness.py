@@ -99,7 +99,9 @@ def sample_sequences(target, seed, samples=SAMPLES, **kwargs) -> list[tuple[int,
 
 
 def spec_kwargs(draft, **extra):
-    return dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, num_draft_tokens=2, **extra)
+    """Fixed k = 2 model drafts per round unless a test switches the levers on."""
+    settings = {"num_draft_tokens": 2, "adaptive": False, "ngram": False, **extra}
+    return dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, **settings)
 
 
 class UnprocessedQ(DraftCandidateGenerator):
@@ -226,3 +228,111 @@ def test_batched_broken_variant_is_detected(pair, batch_laws):
         print(f"\nbroken batched row {row}: chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
         pvalues.append(pvalue)
     assert max(pvalues) < ALPHA  # every row's law is visibly wrong
+
+
+# ---------------------------------------------------------------- the speed levers (issue 6)
+
+
+HYBRID_PROMPT = torch.tensor([[1, 5, 2, 6, 1, 5]])  # ends with the 2-gram (1, 5) seen before: lookup proposes 2, 6
+
+
+@pytest.fixture(scope="module")
+def hybrid_law(pair):
+    target, _, _ = pair
+    return exact_joint(target, HYBRID_PROMPT)
+
+
+def sample_from(target, prompt, seed, samples=SAMPLES, **kwargs) -> list[tuple[int, ...]]:
+    torch.manual_seed(seed)
+    out = []
+    for _ in range(samples):
+        seq = target.generate(prompt, max_new_tokens=NEW, **SAMPLING, **kwargs)
+        out.append(tuple(seq[0, prompt.shape[1] :].tolist()))
+    return out
+
+
+def hybrid_kwargs(draft, sources: list | None = None):
+    """Library defaults (adaptive length, hybrid n-gram drafts), cheap pinned draft cost, k <= 3."""
+    sink = None if sources is None else (lambda record: sources.append(record.source))
+    return spec_kwargs(draft, adaptive=True, ngram=True, draft_cost=0.05, num_draft_tokens=3, acceptance_sink=sink)
+
+
+def test_hybrid_ngram_drafts_are_exact(pair, hybrid_law):
+    """n-gram proposals are verified as point masses: accepted with probability p(x), residual p
+    without x (hf_specdec.ngram). The first round of every call here is an n-gram round."""
+    target, draft, _ = pair
+    assert sum(p * SAMPLES >= 5 for p in hybrid_law.values()) >= 20 and max(hybrid_law.values()) < 0.3
+    sources = []
+    samples = sample_from(target, HYBRID_PROMPT, 7, **hybrid_kwargs(draft, sources))
+    assert sources.count("ngram") >= SAMPLES  # at least one n-gram round per call
+    statistic, dof, pvalue = chi_square_against(hybrid_law, samples)
+    print(f"\nhybrid n-gram + draft: chi2={statistic:.1f} dof={dof} p={pvalue:.3f} ({sources.count('ngram')} n-gram rounds)")
+    assert pvalue > ALPHA
+
+
+def test_broken_hybrid_ngram_with_a_uniform_q_is_detected(pair, hybrid_law, monkeypatch):
+    """Broken on purpose: n-gram proposals verified as if drawn from a uniform q (accept with
+    min(1, p(x) / (1/V)) instead of p(x))."""
+    target, draft, _ = pair
+    real = hf_specdec.generate._draft_probs
+
+    def uniform_for_lookups(draft_scores, draft_tokens, vocab):
+        if draft_scores is None:
+            return torch.full((*draft_tokens.shape, vocab), 1.0 / vocab)
+        return real(draft_scores, draft_tokens, vocab)
+
+    monkeypatch.setattr(hf_specdec.generate, "_draft_probs", uniform_for_lookups)
+    samples = sample_from(target, HYBRID_PROMPT, 8, **hybrid_kwargs(draft))
+    statistic, dof, pvalue = chi_square_against(hybrid_law, samples)
+    print(f"\nBROKEN hybrid (uniform q for lookups): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+SUBSET = torch.tensor([0, 1, 2, 3, 5])  # draft_vocab_size=4 plus the prompt's tokens (1, 5, 2)
+
+
+def test_reduced_vocabulary_draft_is_exact(pair):
+    target, draft, law = pair
+    records = []
+    samples = sample_sequences(target, 9, **spec_kwargs(draft, draft_vocab_size=4, acceptance_sink=records.append))
+    assert {t for r in records for t in r.draft_tokens} <= set(SUBSET.tolist())
+    statistic, dof, pvalue = chi_square_against(law, samples)
+    print(f"\nreduced-vocabulary draft: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+    assert pvalue > ALPHA
+
+
+class SubsetSampledFullQ(DraftCandidateGenerator):
+    """Broken on purpose: drafts from the reduced-vocabulary head but reports the full-vocabulary q
+    (so tokens inside the subset look less likely to the rule than they were)."""
+
+    def get_candidates(self, input_ids, *args, **kwargs):
+        candidate_ids, _ = super().get_candidates(input_ids, *args, **kwargs)
+        start, pipeline = input_ids.shape[1], processors()
+        full = [
+            pipeline(candidate_ids[:, :i], self.model(candidate_ids[:, :i]).logits[:, -1].float())
+            for i in range(start, candidate_ids.shape[1])
+        ]
+        return candidate_ids, torch.stack(full, dim=1)
+
+
+def test_broken_reduced_vocabulary_with_full_q_is_detected(pair):
+    target, draft, law = pair
+    broken = SubsetSampledFullQ(draft, processors(), num_draft_tokens=2, do_sample=True)
+    broken.restrict_vocabulary(SUBSET)
+    samples = sample_sequences(target, 10, **spec_kwargs(None, candidate_generator=broken))  # chi2 ~900 at 2x: ample
+    statistic, dof, pvalue = chi_square_against(law, samples)
+    print(f"\nBROKEN reduced vocabulary (full q reported): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+def test_adaptive_draft_lengths_are_exact(pair):
+    """Draft lengths chosen from the draft's own confidence (early stop) keep the law exact."""
+    target, draft, law = pair
+    records = []
+    kwargs = spec_kwargs(draft, adaptive=True, draft_cost=0.3, num_draft_tokens=3, acceptance_sink=records.append)
+    samples = sample_sequences(target, 11, **kwargs)
+    lengths = {len(r.draft_tokens) for r in records if r.source == "draft"}
+    assert len(lengths) > 1, f"the policy never varied the draft length: {lengths}"
+    statistic, dof, pvalue = chi_square_against(law, samples)
+    print(f"\nadaptive draft lengths {sorted(lengths)}: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+    assert pvalue > ALPHA

@@ -1,0 +1,212 @@
+"""The speed levers: cost-model draft policy, hybrid n-gram drafts, reduced-vocabulary draft head,
+quantized drafts. Each must keep greedy output identical to plain greedy (sampling exactness is in
+test_exactness.py), and each must actually be exercised (asserted through the round statistics)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import perturbed, tiny_model
+from hf_specdec.ngram import NgramCandidateGenerator, ngram_lookup
+from hf_specdec.policy import DRAFT, NGRAM, NONE, DraftPolicy
+from hf_specdec.quantize import quantize_weights
+
+# A prompt that repeats itself, so n-gram lookup has matches from the first round.
+REPEATING = torch.tensor([[1, 5, 9, 2, 7, 3, 5, 9, 2, 7, 3, 5, 9]])
+
+
+def spec(model, draft, prompt=REPEATING, **kwargs):
+    return model.generate(
+        prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+        return_dict_in_generate=True, **kwargs,
+    )
+
+
+# ---------------------------------------------------------------- n-gram lookup
+
+
+def test_ngram_lookup_takes_the_most_recent_longest_match():
+    seq = torch.tensor([4, 1, 2, 8, 9, 1, 2, 3, 6, 0, 1, 2])
+    proposal, n = ngram_lookup(seq, max_ngram=3, min_ngram=1, max_tokens=3)
+    assert n == 2 and proposal.tolist() == [3, 6, 0]  # (1, 2) last occurred at 5..6, followed by 3, 6, 0
+    proposal, n = ngram_lookup(torch.tensor([7, 3, 7, 3, 5, 7, 3]), 3, 2, max_tokens=10)
+    assert n == 2 and proposal.tolist() == [5, 7, 3]  # longest continuation of the latest match
+    proposal, n = ngram_lookup(torch.tensor([1, 2, 3, 4]), 3, 2, max_tokens=5)
+    assert n == 0 and proposal.numel() == 0
+    proposal, n = ngram_lookup(torch.tensor([5, 1, 2, 3, 9, 2, 3]), 3, 2, max_tokens=5)
+    assert n == 2 and proposal.tolist() == [9, 2, 3]  # (2, 3) at 2..3; the 3-gram (9, 2, 3) never occurred
+
+
+def test_ngram_candidate_generator_follows_the_contract_and_is_greedy_exact():
+    gen = NgramCandidateGenerator(max_ngram=2, min_ngram=1, max_tokens=4)
+    ids, logits = gen.get_candidates(REPEATING)
+    assert logits is None and ids[0, : REPEATING.shape[1]].tolist() == REPEATING[0].tolist()
+    assert ids[0, REPEATING.shape[1] :].tolist() == [2, 7, 3, 5]
+    with pytest.raises(ValueError, match="min_ngram"):
+        NgramCandidateGenerator(max_ngram=1, min_ngram=2)
+    target = tiny_model("llama", seed=3)
+    plain = target.generate(REPEATING, do_sample=False, max_new_tokens=30)
+    out = spec(target, None, candidate_generator=NgramCandidateGenerator(), max_new_tokens=30)
+    assert torch.equal(out.sequences, plain)
+
+
+# ---------------------------------------------------------------- the cost model (pure)
+
+
+def test_policy_falls_back_to_plain_rounds_and_probes_again():
+    policy = DraftPolicy(max_draft_tokens=6, draft_cost=0.5, probe_interval=3)
+    assert policy.plan(0) == (DRAFT, 6)  # optimistic start: try drafting
+    assert DraftPolicy(draft_cost=0.9).plan(0) == (NONE, 0)  # a draft this dear is not even tried
+    for _ in range(4):
+        policy.observe_round(DRAFT, 1, [0], [[0.2]])  # first draft token always rejected
+    assert policy.first_acceptance < policy.cost
+    plans = []
+    for _ in range(4):
+        source, _ = policy.plan(0)
+        plans.append(source)
+        policy.observe_round(source, 0 if source == NONE else 1, [0], None if source == NONE else [[0.2]])
+    assert plans == [NONE, NONE, NONE, DRAFT]  # the probe after probe_interval plain rounds
+    assert DraftPolicy(max_draft_tokens=6, adaptive=False, draft_cost=0.9, first_acceptance=0.0).plan(0) == (DRAFT, 6)
+
+
+def test_policy_stops_drafting_on_low_confidence_and_continues_on_high():
+    def drafted(confidence, cost):
+        policy = DraftPolicy(max_draft_tokens=8, draft_cost=cost)
+        policy.start_draft(1)
+        n = 1
+        while policy.keep_drafting([confidence]):
+            n += 1
+        return n
+
+    assert drafted(0.99, cost=0.1) == 8
+    assert drafted(0.05, cost=0.1) == 1
+    assert drafted(0.6, cost=0.1) > drafted(0.6, cost=0.5)  # dearer drafts, shorter rounds
+    fixed = DraftPolicy(max_draft_tokens=5, adaptive=False, draft_cost=0.1)
+    fixed.start_draft(1)
+    assert [fixed.keep_drafting([0.01]) for _ in range(5)] == [True, True, True, True, False]  # 5 drafted
+
+
+def test_policy_calibrates_confidence_against_what_was_accepted():
+    policy = DraftPolicy(draft_cost=0.1)
+    before = policy.calibrated(0.95)
+    for _ in range(50):
+        policy.observe_round(DRAFT, 1, [0], [[0.95]])  # confident drafts that the target rejects
+    assert policy.calibrated(0.95) < 0.1 < before
+
+
+def test_policy_prefers_ngram_while_it_pays_and_measures_costs():
+    policy = DraftPolicy(max_draft_tokens=8)
+    assert policy.plan(10)[0] == NGRAM  # optimistic prior for n-gram proposals
+    for _ in range(30):
+        policy.observe_round(NGRAM, 10, [0])  # n-gram proposals always rejected
+    assert policy.plan(10)[0] == DRAFT
+    policy.observe_timing(draft_seconds=0.3, draft_forwards=3, target_seconds=0.5 * (1 + 2 * policy.verify_token_cost), width=3)
+    assert policy.cost == pytest.approx(0.1 / 0.5)
+    length, rate = DraftPolicy(ngram_acceptance=0.99).ngram_length(16)
+    assert length == 16 and rate > 5
+    assert DraftPolicy(ngram_acceptance=0.01).ngram_length(16)[0] == 0  # not worth verifying at all
+
+
+# ---------------------------------------------------------------- greedy identity with the levers on
+
+
+@pytest.mark.parametrize(
+    "levers",
+    [
+        dict(),  # library defaults, costs measured
+        dict(draft_cost=0.05),  # cheap drafts: long adaptive rounds
+        dict(draft_cost=5.0),  # dear drafts: plain fallback and probes
+        dict(draft_vocab_size=20, draft_cost=0.05),
+        dict(ngram=False, draft_cost=0.05),
+    ],
+    ids=["defaults", "cheap", "dear", "vocab20", "no-ngram"],
+)
+def test_greedy_identity_with_levers(arch, levers):
+    target = tiny_model(arch, seed=4)
+    draft = perturbed(target, noise=0.3)
+    plain = target.generate(REPEATING, do_sample=False, max_new_tokens=40)
+    out = spec(target, draft, max_new_tokens=40, **levers)
+    assert torch.equal(out.sequences, plain)
+    stats = out.acceptance
+    assert stats.emitted == 40 and stats.rounds == stats.target_forwards
+    if levers.get("draft_cost") == 5.0:
+        assert stats.plain_rounds > 0
+    if levers.get("ngram", True):
+        assert stats.ngram_rounds > 0
+    if levers.get("draft_cost") == 0.05:
+        assert len(stats.drafted_per_position) > 1  # some round drafted more than one token
+
+
+def test_ngram_rounds_leave_the_draft_behind_and_it_catches_up():
+    """After n-gram rounds the draft cache is shorter than the sequence; its next forward feeds the
+    missing tokens at once. Caches never hold more than the sequence."""
+    target = tiny_model("llama", seed=5)
+    draft = perturbed(target, noise=0.3)
+    records = []
+    out = spec(target, draft, max_new_tokens=60, draft_cost=0.05, acceptance_sink=records.append)
+    sources = [r.source for r in records]
+    assert NGRAM in sources and DRAFT in sources
+    assert torch.equal(out.sequences, target.generate(REPEATING, do_sample=False, max_new_tokens=60))
+    assert out.cache.get_seq_length() <= out.sequences.shape[1]
+
+
+def test_greedy_identity_with_a_quantized_draft():
+    target = tiny_model("qwen2", seed=6)
+    plain = target.generate(REPEATING, do_sample=False, max_new_tokens=30)
+    for bits in (8, 4):
+        draft = quantize_weights(perturbed(target, noise=0.1), bits, group_size=32)
+        out = spec(target, draft, max_new_tokens=30, draft_cost=0.05, ngram=False)
+        assert torch.equal(out.sequences, plain), bits
+        assert out.acceptance.accepted > 0
+
+
+def test_reduced_vocabulary_draft_never_proposes_outside_it():
+    target = tiny_model("llama", seed=7)
+    draft = copy.deepcopy(target)  # agrees with the target wherever the subset allows
+    records = []
+    prompt = torch.tensor([[1, 5, 9, 2]])
+    out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_vocab_size=16, ngram=False, draft_cost=0.05,
+               acceptance_sink=records.append)
+    allowed = set(range(16)) | {1, 5, 9, 2}
+    proposed = {t for r in records for t in r.draft_tokens}
+    assert proposed and proposed <= allowed
+    assert torch.equal(out.sequences, target.generate(prompt, do_sample=False, max_new_tokens=40))
+    generated = set(out.sequences[0, prompt.shape[1] :].tolist())
+    assert generated - allowed, "the test needs the target to want tokens outside the subset"
+
+
+@pytest.mark.parametrize("draft_cost", [0.05, 5.0])  # long adaptive rounds; plain steps and probes
+def test_batched_greedy_with_the_default_levers(draft_cost):
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.3)
+    ids = torch.tensor([[0, 0, 1, 5, 9, 2, 5, 9], [1, 8, 4, 8, 4, 8, 4, 8]])
+    mask = (ids != 0).long()
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    out = target.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                          do_sample=False, max_new_tokens=30, draft_cost=draft_cost, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.acceptance.ngram_rounds == 0  # n-gram drafts are single-row
+    assert out.acceptance.drafted > 0
+    if draft_cost > 1:
+        assert out.acceptance.plain_rounds > 0
+
+
+def test_speculative_config_and_bad_lever_values():
+    target = tiny_model("llama", seed=9)
+    config = hf_specdec.SpeculativeConfig(num_draft_tokens=3, adaptive=False, ngram=False)
+    out = spec(target, target, max_new_tokens=12, speculative_config=config)
+    assert len(out.acceptance.drafted_per_position) == 3  # fixed k = 3 from the config
+    assert out.acceptance.drafted_per_position[0] >= out.acceptance.rounds - 1  # every round but the last drafts
+    for bad, message in [
+        (dict(draft_vocab_size=0), "draft_vocab_size"),
+        (dict(draft_cost=-1.0), "draft_cost"),
+        (dict(speculative_config=hf_specdec.SpeculativeConfig(), num_draft_tokens=0), "num_draft_tokens"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            spec(target, target, max_new_tokens=3, **bad)
+    with pytest.raises(ValueError, match="ngram_min_size"):
+        hf_specdec.SpeculativeConfig(ngram_min_size=4, ngram_max_size=3)

@@ -2,6 +2,7 @@
 
     python evals/greedy_divergence.py --prompt-id 81 [--dtype bfloat16|float32]
     python evals/greedy_divergence.py --batch-size 8        # the batch study's prompts, per row
+    python evals/greedy_divergence.py --records evals/results/quick-v3/records.jsonl   # an eval's mismatches
 
 Runs plain greedy, transformers' assisted generation and hf_specdec on one eval prompt and, for each
 method whose output differs, prints the first differing position with the top-two logit margin of
@@ -84,6 +85,27 @@ def batch_check(batch_size: int, max_new_tokens: int) -> None:
                   f"{float(top2.values[0] - top2.values[1]):.4f}")
 
 
+def records_check(path: str) -> None:
+    """Every greedy mismatch in an eval's records.jsonl: the first differing token and the top-two
+    logit margin there, from one target forward over the prompt and plain's tokens before it."""
+    import json
+
+    records = [json.loads(line) for line in Path(path).read_text().splitlines()]
+    target, tokenizer = load_model(TARGET.name)
+    prompts = {p["id"]: p for p in load_prompts(tokenizer, CATEGORIES, None)}
+    for r in records:
+        if r["mode"] != "greedy" or r.get("matches_plain") is not False:
+            continue
+        plain = next(x for x in records if (x["id"], x["mode"], x["method"]) == (r["id"], "greedy", "plain"))
+        a, b = plain["tokens"], r["tokens"]
+        j = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        with torch.no_grad():
+            logits = target(torch.tensor([prompts[r["id"]]["input_ids"] + a[:j]])).logits[0, -1].float()
+        top2 = logits.topk(2)
+        print(f"prompt {r['id']} ({r['category']}) {r['method']}: first difference at generated token {j}; "
+              f"plain top-2 logit margin there {float(top2.values[0] - top2.values[1]):.4f}")
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--prompt-id", default="81")
@@ -91,8 +113,11 @@ if __name__ == "__main__":
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=None,
                         help="instead: check the batch study's 8 prompts, batched plain vs batched hf_specdec")
+    parser.add_argument("--records", default=None, help="instead: explain every greedy mismatch in an eval's records.jsonl")
     args = parser.parse_args()
-    if args.batch_size:
+    if args.records:
+        records_check(args.records)
+    elif args.batch_size:
         batch_check(args.batch_size, args.max_new_tokens)
     else:
         main(args.prompt_id, args.dtype, args.max_new_tokens)

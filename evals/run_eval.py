@@ -51,6 +51,8 @@ ABLATIONS = {
     "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
 }
 HF_METHODS = ("hf_specdec", *ABLATIONS)
+# Not in the defaults: transformers' assisted generation given the same quantized draft as hf_specdec.
+EXTRA_METHODS = ("assisted_quantized",)
 MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 
 
@@ -136,6 +138,8 @@ def run_method(method, target, draft, input_ids, mode_kwargs, max_new_tokens, nu
     rounds = []
     if method == "assisted":
         kwargs["assistant_model"] = draft["bf16"]  # transformers' own method, with the draft as loaded
+    elif method == "assisted_quantized":
+        kwargs["assistant_model"] = draft["hf"]  # transformers' method with hf_specdec's (quantized) draft
     elif method == "prompt_lookup":
         kwargs["prompt_lookup_num_tokens"] = 10
     elif method in HF_METHODS:
@@ -161,7 +165,7 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
     input_ids = torch.tensor([prompt["input_ids"]], device=device)
     records = []
     for mode in modes:
-        plain_out, plain_rate, plain_target_steps = None, None, None
+        plain_out, plain_rate, plain_target_steps, plain_record = None, None, None, None
         for method in methods:
             timers["target"].take(), timers["draft"].take()
             try:
@@ -179,11 +183,14 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
                 prompt_tokens=input_ids.shape[1], new_tokens=new_tokens, seconds=seconds,
                 target_forwards=len(target_d), draft_forwards=len(draft_d),
                 target_step_s=step_time(target_d), draft_step_s=step_time(draft_d),
+                target_prefill_s=target_d[0] if target_d else None, draft_prefill_s=draft_d[0] if draft_d else 0.0,
+                forward_seconds=sum(target_d) + sum(draft_d),
                 tokens_per_target_forward=new_tokens / max(1, len(target_d)),
                 tokens=seqs[0, input_ids.shape[1] :].tolist(),
             )
             if method == "plain":
                 plain_out, plain_rate, plain_target_steps = seqs, new_tokens / seconds, record["target_step_s"]
+                plain_record = record
             else:
                 record["speedup"] = (new_tokens / seconds) / plain_rate if plain_rate else None
                 if mode == "greedy" and plain_out is not None:
@@ -192,7 +199,7 @@ def evaluate_prompt(prompt, target, draft, timers, modes, methods, max_new_token
                 record["cost_ratio"] = (
                     record["draft_step_s"] / plain_target_steps if record["draft_step_s"] and plain_target_steps else None
                 )
-                record["predicted_speedup"] = _predicted_speedup(record, plain_target_steps)
+                record["predicted_speedup"] = _predicted_speedup(record, plain_record)
             records.append(record)
     return records
 
@@ -201,13 +208,14 @@ def _acceptance(method, record, stats, rounds) -> dict:
     if method in HF_METHODS:
         return dict(
             ngram_rounds=stats.ngram_rounds, plain_rounds=stats.plain_rounds,
+            loop_draft_seconds=stats.draft_seconds, loop_target_seconds=stats.target_seconds,
             drafted=stats.drafted, accepted=stats.accepted, rounds=stats.rounds,
             acceptance_rate=stats.acceptance_rate, token_acceptance=stats.token_acceptance,
             per_position_drafted=stats.drafted_per_position, per_position_reached=stats.reached_per_position,
             per_position_accepted=stats.accepted_per_position,
             round_log=[(len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)) for r in rounds],
         )
-    if method == "assisted":
+    if method in ("assisted", "assisted_quantized"):
         # Each target forward verifies one block and emits accepted + 1 tokens; each draft forward
         # proposes one token (approximate: transformers does not report what it drafted).
         accepted = record["new_tokens"] - record["target_forwards"]
@@ -216,13 +224,22 @@ def _acceptance(method, record, stats, rounds) -> dict:
     return {}
 
 
-def _predicted_speedup(record, plain_step) -> float | None:
-    """Cost model: plain needs one target step per token; a method spends draft_forwards draft steps
-    and target_forwards verification steps for the same tokens (steps timed in this run)."""
-    if not plain_step or not record["target_step_s"]:
+def _predicted_speedup(record, plain) -> float | None:
+    """Cost model: time = prefill + (forwards - 1) x median step, for the target and the draft, with
+    the forward counts and step times measured in this run; plain decoding the same way, scaled to
+    the method's number of tokens. Whatever the measured speedup falls short of this is time spent
+    outside model forwards (sampling, processors, Python) or in steps dearer than the median."""
+    if plain is None or not plain["target_step_s"] or not record["target_step_s"]:
         return None
-    spent = record["target_forwards"] * record["target_step_s"] + record["draft_forwards"] * (record["draft_step_s"] or 0.0)
-    return record["new_tokens"] * plain_step / spent
+
+    def model_time(forwards, step, prefill):
+        return 0.0 if not forwards else (prefill if prefill is not None else step) + (forwards - 1) * (step or 0.0)
+
+    spent = model_time(record["target_forwards"], record["target_step_s"], record.get("target_prefill_s"))
+    spent += model_time(record["draft_forwards"], record["draft_step_s"], record.get("draft_prefill_s"))
+    per_token = plain["target_step_s"]
+    plain_time = (plain.get("target_prefill_s") or per_token) + (record["new_tokens"] - 1) * per_token
+    return plain_time / spent
 
 
 # ---------------------------------------------------------------- summary
@@ -258,7 +275,7 @@ def summarise(records, metric) -> dict:
     _per_token_speedups(records)
     summary = {}
     for mode in MODES:
-        for method in METHODS + tuple(ABLATIONS):
+        for method in METHODS + EXTRA_METHODS + tuple(ABLATIONS):
             if method == "plain":
                 continue
             per_category = {}
@@ -283,6 +300,15 @@ def summarise(records, metric) -> dict:
                     entry["ngram_rounds"] = sum(r.get("ngram_rounds", 0) for r in ok)
                     entry["plain_rounds"] = sum(r.get("plain_rounds", 0) for r in ok)
                     entry["rounds"] = sum(r["rounds"] for r in ok)
+                    if all("forward_seconds" in r and "loop_target_seconds" in r for r in ok):
+                        # Where the time goes: model forwards (hooks), processors/sampling/verification
+                        # around them (the loop's timers minus the forwards), everything else.
+                        total = sum(r["seconds"] for r in ok)
+                        forwards = sum(r["forward_seconds"] for r in ok)
+                        loop = sum(r["loop_target_seconds"] + r["loop_draft_seconds"] for r in ok)
+                        entry["time_split"] = dict(
+                            forwards=forwards / total, processing=(loop - forwards) / total, other=(total - loop) / total
+                        )
                     rounds = _round_stats(ok)
                     alpha, k = rounds.token_acceptance, max(1, round(rounds.drafted / max(1, rounds.rounds)))
                     entry["token_acceptance"] = alpha
@@ -516,9 +542,9 @@ def main(target, draft, preset, categories, modes, methods, out, num_draft_token
     settings = PRESETS[preset]
     per_category = prompts_per_category if prompts_per_category is not None else settings.prompts_per_category
     max_new_tokens = max_new_tokens or settings.max_new_tokens
-    bad = set(methods) - set(METHODS) - set(ABLATIONS)
-    if bad or "plain" not in methods:
-        raise SystemExit(f"methods must include plain and come from {', '.join(METHODS + tuple(ABLATIONS))}; got {methods}")
+    known = METHODS + EXTRA_METHODS + tuple(ABLATIONS)
+    if set(methods) - set(known) or "plain" not in methods:
+        raise SystemExit(f"methods must include plain and come from {', '.join(known)}; got {methods}")
     bad = set(modes) - set(MODES)
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")

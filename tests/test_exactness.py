@@ -153,6 +153,7 @@ def test_broken_variant_unprocessed_q_is_detected(pair):
     assert pvalue < ALPHA
 
 
+@pytest.mark.slow  # ~60 s; another q variant, kept out of the default tier to hold it under 15 min
 def test_sampling_is_exact_with_a_hotter_draft_temperature(pair):
     target, draft, law = pair
     samples = sample_sequences(target, 3, **spec_kwargs(draft, draft_temperature=1.6))
@@ -161,6 +162,7 @@ def test_sampling_is_exact_with_a_hotter_draft_temperature(pair):
     assert pvalue > ALPHA
 
 
+@pytest.mark.slow  # ~60 s; point masses are also tested by the hybrid lookup chi-square and test_verify's Monte Carlo
 def test_point_mass_proposals_are_exact(pair):
     target, _, law = pair
     samples = sample_sequences(target, 4, **spec_kwargs(None, candidate_generator=TopTokenProposer(target)))

@@ -54,7 +54,8 @@ def generate_command(args: argparse.Namespace) -> None:
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         start = time.perf_counter()
-        plain = target.generate(**inputs, **common)
+        plain_out = target.generate(**inputs, **common, return_dict_in_generate=True, output_scores=True)
+        plain = plain_out.sequences
         plain_times.append(time.perf_counter() - start)
         torch.manual_seed(rep)
         start = time.perf_counter()
@@ -75,7 +76,25 @@ def generate_command(args: argparse.Namespace) -> None:
           f"({stats.ngram_rounds} from n-gram lookup, {stats.plain_rounds} plain steps)")
     print(f"acceptance by position:  {' '.join(f'{r:.2f}' for r in stats.per_position_rate)}")
     if not common["do_sample"]:
-        print(f"identical to plain greedy: {torch.equal(out.sequences, plain)}")
+        identical = torch.equal(out.sequences, plain)
+        print(f"identical to plain greedy: {identical}")
+        if not identical:
+            _explain_divergence(plain_out, out.sequences, prompt_len)
+
+
+def _explain_divergence(plain_out, sequences, prompt_len: int) -> None:
+    """Where greedy outputs part, and plain decoding's top-two logit margin there: in bf16 a margin of
+    0 is an exact tie, which a forward over several tokens may round the other way (every method
+    that verifies blocks, transformers' own included); the acceptance rule is not involved."""
+    a, b = plain_out.sequences[0, prompt_len:], sequences[0, prompt_len:]
+    n = min(len(a), len(b))
+    j = int((a[:n] != b[:n]).nonzero()[0]) if bool((a[:n] != b[:n]).any()) else n
+    if j >= len(plain_out.scores):
+        return
+    top2 = plain_out.scores[j][0].float().topk(2)
+    margin = float(top2.values[0] - top2.values[1])
+    print(f"  first difference at generated token {j}; plain decoding's top-two logit margin there: {margin:.4f}"
+          + (" (an exact bf16 tie: either token is a correct greedy choice)" if margin == 0 else ""))
 
 
 def main(argv: list[str] | None = None) -> None:

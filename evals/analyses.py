@@ -35,8 +35,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
+from common import (  # noqa: E402
+    CATEGORIES, ForwardTimer, load_pair, load_prompts, median_or_none, pooled_stats, speedup_over_plain, step_time,
+)
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
-from run_eval import CATEGORIES, ForwardTimer, load_pair, load_prompts, step_time  # noqa: E402
+from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 
 KS = tuple(range(1, 9))
 TEMPERATURES = (0.0, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.5, 2.0)
@@ -95,87 +98,103 @@ def collect(target, drafts, prompts, max_new_tokens, parts, timers) -> list[dict
             plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False)
             plain_seconds = time.perf_counter() - start
             plain_step = step_time(timers["target"].take())
-            plain_rate = (plain.shape[1] - ids.shape[1]) / plain_seconds
+            plain_tokens = plain.shape[1] - ids.shape[1]
             for name, draft in drafts.items():
                 timers[name].take()
                 run = spec_run(target, draft, ids, 5, max_new_tokens, i, do_sample=False)
                 draft_step = step_time(timers[name].take())
                 records.append({**base, "draft": name, **run, "plain_step_s": plain_step, "draft_step_s": draft_step,
                                 "cost_ratio": draft_step / plain_step if draft_step and plain_step else None,
-                                "speedup": (run["new_tokens"] / run["seconds"]) / plain_rate})
+                                "speedup": speedup_over_plain(run["new_tokens"], run["seconds"], plain_tokens, plain_seconds)})
     return records
 
 
 # ---------------------------------------------------------------- summaries
 
 
-def _rate(rows, num, den):
-    d = sum(r[den] for r in rows)
-    return sum(r[num] for r in rows) / d if d else None
-
-
-def geometric(a, k):
-    return k + 1.0 if a >= 1 else (1 - a ** (k + 1)) / (1 - a)
-
-
 def summarise(records) -> dict:
+    """Every rate pooled over prompts through `pooled_stats` (hf_specdec.AcceptanceStats)."""
     summary = {}
     law = [r for r in records if r["part"] == "law"]
     if law:
-        rows = []
-        for k in KS:
-            rs = [r for r in law if r["k"] == k]
-            if not rs:
-                continue
-            a = _rate(rs, "accepted", "reached")
-            measured = _rate(rs, "emitted", "rounds")
-            rows.append(dict(k=k, token_acceptance=a, acceptance_rate=_rate(rs, "accepted", "drafted"),
-                             measured_tokens_per_forward=measured, geometric=geometric(a, k), gap=measured - geometric(a, k)))
-        per_category = {}
-        for c in CATEGORIES:
-            rs = [r for r in law if r["category"] == c]
-            if rs:
-                a = _rate(rs, "accepted", "reached")
-                per_category[c] = dict(token_acceptance=a, largest_gap=max(
-                    abs(_rate([r for r in rs if r["k"] == k], "emitted", "rounds") - geometric(
-                        _rate([r for r in rs if r["k"] == k], "accepted", "reached"), k)) for k in KS if any(r["k"] == k for r in rs)))
-        summary["geometric_law"] = dict(rows=rows, largest_gap=max(abs(r["gap"]) for r in rows), per_category=per_category)
-        by_position = {}
-        deepest = max(r["k"] for r in law)
-        for c in CATEGORIES:
-            rs = [r for r in law if r["category"] == c and r["k"] == deepest]
-            if rs:
-                reached = [sum(r["reached_per_position"][i] for r in rs if i < len(r["reached_per_position"])) for i in range(deepest)]
-                accepted = [sum(r["accepted_per_position"][i] for r in rs if i < len(r["accepted_per_position"])) for i in range(deepest)]
-                by_position[c] = dict(rate=[a / n if n else None for a, n in zip(accepted, reached)], reached=reached)
-        summary["acceptance_by_position"] = dict(k=deepest, categories=by_position)
+        summary["geometric_law"] = _geometric_law(law)
+        summary["acceptance_by_position"] = _acceptance_by_position(law)
     temp = [r for r in records if r["part"] == "temperature"]
     if temp or law:
-        rows = []
-        greedy = [r for r in law if r["k"] == 4] if law else []
-        if greedy:
-            a = _rate(greedy, "accepted", "reached")
-            rows.append(dict(temperature=0.0, token_acceptance=a, one_minus_tv=None, note="greedy, k=4 runs of part 1"))
-        for t in TEMPERATURES:
-            rs = [r for r in temp if r["temperature"] == t]
-            if rs:
-                rows.append(dict(temperature=t, token_acceptance=_rate(rs, "accepted", "reached"),
-                                 one_minus_tv=_rate(rs, "expected_acceptance_sum", "expected_acceptance_n")))
-        summary["temperature"] = rows
+        summary["temperature"] = _temperature(temp, law)
     quant = [r for r in records if r["part"] == "quant"]
     if quant:
-        rows = []
-        for name in QUANT:
-            rs = [r for r in quant if r["draft"] == name]
-            if rs:
-                rows.append(dict(draft=name, acceptance_rate=_rate(rs, "accepted", "drafted"),
-                                 token_acceptance=_rate(rs, "accepted", "reached"),
-                                 tokens_per_forward=_rate(rs, "emitted", "rounds"),
-                                 cost_ratio=statistics.median(r["cost_ratio"] for r in rs if r["cost_ratio"]),
-                                 median_speedup=statistics.median(r["speedup"] for r in rs),
-                                 per_category_speedup={r["category"]: r["speedup"] for r in rs}))
-        summary["quantized_drafts"] = rows
+        summary["quantized_drafts"] = _quantized_drafts(quant)
     return summary
+
+
+def _law_row(rows, k: int) -> dict:
+    """Measured tokens per target forward at draft length k against the geometric law at the
+    measured per-token acceptance a = accepted / reached."""
+    stats = pooled_stats(rows)
+    a, measured = stats.token_acceptance, stats.mean_tokens_per_round
+    law = geometric_tokens_per_round(a, k)
+    return dict(k=k, token_acceptance=a, acceptance_rate=stats.acceptance_rate, measured_tokens_per_forward=measured,
+                geometric=law, gap=measured - law)
+
+
+def _geometric_law(law: list[dict]) -> dict:
+    def rows_by_k(rs):
+        return [_law_row([r for r in rs if r["k"] == k], k) for k in KS if any(r["k"] == k for r in rs)]
+
+    rows = rows_by_k(law)
+    per_category = {}
+    for c in CATEGORIES:
+        rs = [r for r in law if r["category"] == c]
+        if rs:
+            per_category[c] = dict(token_acceptance=pooled_stats(rs).token_acceptance,
+                                   largest_gap=max(abs(row["gap"]) for row in rows_by_k(rs)))
+    return dict(rows=rows, largest_gap=max(abs(r["gap"]) for r in rows), per_category=per_category)
+
+
+def _acceptance_by_position(law: list[dict]) -> dict:
+    """accepted / reached at each position of the deepest fixed-k runs, per category (None where a
+    position was never reached)."""
+    deepest = max(r["k"] for r in law)
+    by_position = {}
+    for c in CATEGORIES:
+        rs = [r for r in law if r["category"] == c and r["k"] == deepest]
+        if rs:
+            stats = pooled_stats(rs)
+            reached = (stats.reached_per_position + [0] * deepest)[:deepest]
+            accepted = (stats.accepted_per_position + [0] * deepest)[:deepest]
+            by_position[c] = dict(rate=[a / n if n else None for a, n in zip(accepted, reached)], reached=reached)
+    return dict(k=deepest, categories=by_position)
+
+
+def _temperature(temp: list[dict], law: list[dict]) -> list[dict]:
+    """Measured a against the mean exact acceptance probability 1 - TV(p, q) the library logs."""
+    rows = []
+    greedy = [r for r in law if r["k"] == 4]
+    if greedy:
+        rows.append(dict(temperature=0.0, token_acceptance=pooled_stats(greedy).token_acceptance, one_minus_tv=None,
+                         note="greedy, k=4 runs of part 1"))
+    for t in TEMPERATURES:
+        rs = [r for r in temp if r["temperature"] == t]
+        if rs:
+            n = sum(r["expected_acceptance_n"] for r in rs)
+            rows.append(dict(temperature=t, token_acceptance=pooled_stats(rs).token_acceptance,
+                             one_minus_tv=sum(r["expected_acceptance_sum"] for r in rs) / n if n else None))
+    return rows
+
+
+def _quantized_drafts(quant: list[dict]) -> list[dict]:
+    rows = []
+    for name in QUANT:
+        rs = [r for r in quant if r["draft"] == name]
+        if rs:
+            stats = pooled_stats(rs)
+            rows.append(dict(draft=name, acceptance_rate=stats.acceptance_rate, token_acceptance=stats.token_acceptance,
+                             tokens_per_forward=stats.mean_tokens_per_round,
+                             cost_ratio=median_or_none(r["cost_ratio"] for r in rs),
+                             median_speedup=statistics.median(r["speedup"] for r in rs),
+                             per_category_speedup={r["category"]: r["speedup"] for r in rs}))
+    return rows
 
 
 def report(summary, config) -> str:

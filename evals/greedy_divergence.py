@@ -22,11 +22,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import hf_specdec  # noqa: E402
+from batch_study import BATCH_CATEGORIES, batch_prompts, left_pad  # noqa: E402
+from common import CATEGORIES, load_prompts  # noqa: E402
+from hf_specdec.diagnostics import Divergence, first_divergence, greedy_divergence, top_two_margin  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET, load_model  # noqa: E402
-from run_eval import CATEGORIES, load_prompts  # noqa: E402
 
 
 def main(prompt_id: str, dtype: str, max_new_tokens: int) -> None:
+    """One eval prompt: plain greedy against assisted generation and hf_specdec, in `dtype`."""
     torch_dtype = getattr(torch, dtype)
     target, tokenizer = load_model(TARGET.name)
     draft, _ = load_model(DRAFT.name)
@@ -37,6 +40,7 @@ def main(prompt_id: str, dtype: str, max_new_tokens: int) -> None:
     ids = torch.tensor([prompts[0]["input_ids"]])
     common = dict(max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True, output_scores=True)
     plain = target.generate(ids, attention_mask=torch.ones_like(ids), **common)
+    scores = [step[0] for step in plain.scores]  # one (vocab,) row per generated token
     methods = {
         "assisted": dict(assistant_model=draft),
         "hf_specdec": dict(custom_generate=hf_specdec.speculative_generate, assistant=draft),
@@ -44,27 +48,20 @@ def main(prompt_id: str, dtype: str, max_new_tokens: int) -> None:
     for name, kwargs in methods.items():
         out = target.generate(ids, attention_mask=torch.ones_like(ids), **common, **kwargs)
         a, b = plain.sequences[0, ids.shape[1]:], out.sequences[0, ids.shape[1]:]
-        n = min(len(a), len(b))
-        diff = (a[:n] != b[:n]).nonzero()
-        if len(diff) == 0 and len(a) == len(b):
+        divergence = greedy_divergence(a, b, scores)
+        if divergence is None:
             print(f"{name} ({dtype}): identical to plain greedy over {len(a)} tokens")
             continue
-        j = int(diff[0]) if len(diff) else n
-        top2 = plain.scores[j][0].float().topk(2)
-        print(f"{name} ({dtype}): first difference at generated token {j}: plain {int(a[j])} "
-              f"{tokenizer.decode(a[j])!r}, {name} {int(b[j])} {tokenizer.decode(b[j])!r}; "
-              f"plain top-2 logit margin there {float(top2.values[0] - top2.values[1]):.4f}")
+        j = divergence.position
+        tokens = ", ".join(f"{who} {int(t[j])} {tokenizer.decode(t[j])!r}" for who, t in (("plain", a), (name, b)) if j < len(t))
+        print(f"{name} ({dtype}): {divergence.describe()} ({tokens})")
 
 
 def batch_check(batch_size: int, max_new_tokens: int) -> None:
     """The batch study's prompts: plain batched greedy against hf_specdec batched greedy, per row."""
-    from run_eval import BATCH_CATEGORIES, left_pad
-
     target, tokenizer = load_model(TARGET.name)
     draft, _ = load_model(DRAFT.name)
-    prompts = load_prompts(tokenizer, list(BATCH_CATEGORIES), 2)
-    by_category = [[p for p in prompts if p["category"] == c] for c in BATCH_CATEGORIES]
-    prompts = [p for pair in zip(*by_category) for p in pair][:8]
+    prompts = batch_prompts(tokenizer, BATCH_CATEGORIES, 8)
     pad = tokenizer.pad_token_id
     for start in range(0, len(prompts), batch_size):
         chunk = prompts[start : start + batch_size]
@@ -74,15 +71,9 @@ def batch_check(batch_size: int, max_new_tokens: int) -> None:
         plain = target.generate(ids, **common)
         spec = target.generate(ids, **common, custom_generate=hf_specdec.speculative_generate, assistant=draft)
         for row, prompt in enumerate(chunk):
-            a, b = plain.sequences[row, ids.shape[1]:], spec.sequences[row, ids.shape[1]:]
-            diff = (a != b).nonzero()
-            if len(diff) == 0:
-                print(f"batch {batch_size} prompt {prompt['id']}: identical")
-                continue
-            j = int(diff[0])
-            top2 = plain.scores[j][row].float().topk(2)
-            print(f"batch {batch_size} prompt {prompt['id']}: first difference at token {j}, plain top-2 margin "
-                  f"{float(top2.values[0] - top2.values[1]):.4f}")
+            scores = [step[row] for step in plain.scores]  # one (vocab,) row per generated token
+            divergence = greedy_divergence(plain.sequences[row, ids.shape[1]:], spec.sequences[row, ids.shape[1]:], scores)
+            print(f"batch {batch_size} prompt {prompt['id']}: {'identical' if divergence is None else divergence.describe()}")
 
 
 def records_check(path: str) -> None:
@@ -97,13 +88,12 @@ def records_check(path: str) -> None:
         if r["mode"] != "greedy" or r.get("matches_plain") is not False:
             continue
         plain = next(x for x in records if (x["id"], x["mode"], x["method"]) == (r["id"], "greedy", "plain"))
-        a, b = plain["tokens"], r["tokens"]
-        j = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+        j = first_divergence(torch.tensor(plain["tokens"]), torch.tensor(r["tokens"]))
+        if j is None:  # the same generated tokens: nothing to explain
+            continue
         with torch.no_grad():
-            logits = target(torch.tensor([prompts[r["id"]]["input_ids"] + a[:j]])).logits[0, -1].float()
-        top2 = logits.topk(2)
-        print(f"prompt {r['id']} ({r['category']}) {r['method']}: first difference at generated token {j}; "
-              f"plain top-2 logit margin there {float(top2.values[0] - top2.values[1]):.4f}")
+            logits = target(torch.tensor([prompts[r["id"]]["input_ids"] + plain["tokens"][:j]])).logits[0, -1]  # (vocab,)
+        print(f"prompt {r['id']} ({r['category']}) {r['method']}: {Divergence(j, top_two_margin(logits)).describe()}")
 
 
 if __name__ == "__main__":

@@ -9,14 +9,22 @@
 
 from pathlib import Path
 
-from .candidates import DraftCandidateGenerator
 from .config import SpeculativeConfig
 from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
-from .ngram import NgramCandidateGenerator
-from .policy import DraftPolicy
+from .policy import DraftPolicy, PolicySettings, PolicyState
+from .proposals import (
+    CandidateGeneratorDrafter,
+    DraftCandidateGenerator,
+    Drafter,
+    DraftModelDrafter,
+    DraftRequest,
+    NgramCandidateGenerator,
+    NgramDrafter,
+    Proposal,
+)
 from .quantize import quantize_weights
 from .stats import AcceptanceStats, RoundRecord
-from .verify import greedy_verification, speculative_sampling
+from .verify import greedy_verification, lazy_speculative_sampling, speculative_sampling
 
 # Folder holding `custom_generate/generate.py`: pass it as `custom_generate=` (with
 # `trust_remote_code=True`) to use the standard `assistant_model=` and `streamer=` arguments.
@@ -27,13 +35,22 @@ __version__ = "0.1.0"
 __all__ = [
     "CUSTOM_GENERATE_DIR",
     "AcceptanceStats",
+    "CandidateGeneratorDrafter",
     "DraftCandidateGenerator",
+    "DraftModelDrafter",
     "DraftPolicy",
+    "DraftRequest",
+    "Drafter",
     "NgramCandidateGenerator",
+    "NgramDrafter",
+    "PolicySettings",
+    "PolicyState",
+    "Proposal",
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "greedy_verification",
+    "lazy_speculative_sampling",
     "quantize_weights",
     "speculative_generate",
     "speculative_sampling",

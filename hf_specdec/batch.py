@@ -15,15 +15,21 @@ Design (the cache length stays common to all rows; rejected slots become masked 
   `COMPACT_MIN_HOLES` columns), `compact` gathers every row's real columns to the right
   (left-padding the shorter rows) in the work sequence and in both caches. Per-round cost stays
   flat: no prefix is ever re-encoded.
-* Finished rows leave the batch (`Cache.batch_select_indices`), so they cost nothing afterwards;
-  their output is padded with the pad token, as transformers pads finished rows.
+* Finished rows leave the batch, so they cost nothing afterwards; their output is padded with the
+  pad token, as transformers pads finished rows.
+The caches themselves are changed only in `hf_specdec.cache` (rollback, row selection, column
+gathering); this module decides *which* rows and columns.
 """
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers import Cache
-from transformers.cache_utils import DynamicLayer
+
+from .cache import can_gather, gather_columns, select_rows
+from .sampling import Prefixes
 
 # Compact only when at least this many columns are holes for the row with the most real tokens.
 COMPACT_MIN_HOLES = 32
@@ -43,17 +49,26 @@ class RaggedBatch:
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences
-        self._compactable = True  # False once `compact` found a cache layout it cannot gather
+        self._compactable = True  # False once the caches turned out not to allow gathering columns
+        self._prefixes: Prefixes | None = None  # memo, until the batch changes
 
     @property
     def size(self) -> int:
         return len(self.rows)
 
-    def real_sequences(self) -> torch.Tensor | list[torch.Tensor]:
-        """What processors see: the work ids while they equal the real sequences, else one per row."""
-        if self.ids_are_real:
-            return self.ids
-        return [self.real_sequence(i)[0] for i in range(self.size)]
+    @property
+    def width(self) -> int:
+        """Columns of the work sequence (what the caches hold, plus pending columns)."""
+        return self.ids.shape[1]
+
+    def prefixes(self) -> Prefixes:
+        """What processors see this round: each active row's real sequence."""
+        if self._prefixes is None:
+            if self.ids_are_real:
+                self._prefixes = Prefixes.from_tensor(self.ids, self.rows)
+            else:
+                self._prefixes = Prefixes.of([self.real_sequence(i)[0] for i in range(self.size)], self.rows)
+        return self._prefixes
 
     def real_sequence(self, i: int) -> torch.Tensor:  # [1, len]: active row i, for stopping criteria
         row = self.rows[i]
@@ -70,6 +85,8 @@ class RaggedBatch:
         num_accepted: torch.Tensor,  # [active]
         extra_tokens: torch.Tensor,  # [active]: each row's recovered or bonus token
     ) -> None:
+        """The work sequence grows by the kept draft columns and one column of extra tokens."""
+        self._prefixes = None
         m = draft_tokens.shape[1]
         self.ids = torch.cat([self.ids, draft_tokens, extra_tokens[:, None]], dim=1)
         if self.mask is None:  # batch of one: m == num_accepted, so no hole
@@ -80,45 +97,45 @@ class RaggedBatch:
             self.ids_are_real = False
         self.mask = torch.cat([self.mask, kept, self.mask.new_ones(self.size, 1)], dim=1)
 
-    def select(self, keep: torch.Tensor, caches: tuple[Cache | None, ...]) -> None:
-        """Keep only the active rows at `keep` (indices into the active rows), in caches too."""
-        self.ids = self.ids[keep]
-        self.mask = None if self.mask is None else self.mask[keep]
-        self.rows = [self.rows[i] for i in keep.tolist()]
-        for cache in caches:
-            if cache is not None:
-                cache.batch_select_indices(keep)
+    def record(self, i: int, tokens: Sequence[int]) -> None:
+        """Tokens emitted by active row i (its real sequence grows; the work sequence already has them)."""
+        self._prefixes = None
+        self.generated[self.rows[i]].extend(tokens)
 
-    def should_compact(self) -> bool:
+    def select(self, keep: list[int], caches: tuple[Cache | None, ...]) -> None:
+        """Keep only the active rows at positions `keep`, in the work sequence and in the caches."""
+        self._prefixes = None
+        index = torch.tensor(keep, dtype=torch.long, device=self.ids.device)
+        self.ids = self.ids[index]
+        self.mask = None if self.mask is None else self.mask[index]
+        self.rows = [self.rows[i] for i in keep]
+        select_rows(caches, index)
+
+    def should_compact(self, caches: tuple[Cache | None, ...]) -> bool:
+        """Whether holes have piled up (a quarter of the columns, at least COMPACT_MIN_HOLES) in a
+        batch whose caches allow gathering columns."""
         if self.mask is None or self.size < 2 or not self._compactable:
             return False
-        holes = self.ids.shape[1] - int(self.mask.sum(dim=1).max())
-        return holes >= max(COMPACT_MIN_HOLES, self.ids.shape[1] // 4)
-
-    def compact(self, caches: tuple[Cache | None, ...]) -> bool:
-        """Drop holes and padding from the columns every cache holds, right-aligning each row's real
-        columns; columns only some cache holds (at most the last draft column) are kept as they are.
-        Returns False (and changes nothing) for cache layouts it cannot gather."""
-        caches = tuple(c for c in caches if c is not None)
-        if not all(type(layer) is DynamicLayer for c in caches for layer in c.layers):
-            self._compactable = False  # e.g. sliding-window layers: holes stay (correct, less efficient)
+        holes = self.width - int(self.mask.sum(dim=1).max())
+        if holes < max(COMPACT_MIN_HOLES, self.width // 4):
             return False
-        cached = min(c.get_seq_length() for c in caches)
+        self._compactable = can_gather(caches)  # e.g. sliding-window layers: holes stay (correct, less efficient)
+        return self._compactable
+
+    def compact(self, caches: tuple[Cache | None, ...]) -> None:
+        """Drop holes and padding from the columns every cache holds: each row's real columns, in
+        order, gathered to the right (shorter rows left-padded); columns only some cache holds (at
+        most the last draft column) are kept as they are."""
+        self._prefixes = None
+        cached = min(c.get_seq_length() for c in caches if c is not None)
         head = self.mask[:, :cached]  # [active, cached]
         width = int(head.sum(dim=1).max())
         # Stable sort puts each row's masked columns first and its real columns, in order, last.
         order = torch.sort(head, dim=1, stable=True).indices[:, -width:]  # [active, width]
-        for cache in caches:
-            for layer in cache.layers:
-                if layer.keys is None or layer.keys.numel() == 0:
-                    continue
-                index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-                layer.keys = torch.cat([layer.keys[:, :, :cached].gather(2, index), layer.keys[:, :, cached:]], dim=2)
-                layer.values = torch.cat([layer.values[:, :, :cached].gather(2, index), layer.values[:, :, cached:]], dim=2)
+        gather_columns(caches, order, cached)
         self.ids = torch.cat([self.ids[:, :cached].gather(1, order), self.ids[:, cached:]], dim=1)
         self.mask = torch.cat([head.gather(1, order), self.mask[:, cached:]], dim=1)
         self.ids_are_real = False
-        return True
 
     def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, prompt_len + longest generation]
         longest = max(len(g) for g in self.generated)

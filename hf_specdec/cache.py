@@ -1,8 +1,11 @@
-"""KV caches: feeding a model the tokens its cache has not seen, and the one place caches roll back.
+"""KV caches: feeding a model the tokens its cache has not seen, and every change made to a cache.
 
-Both models keep a `DynamicCache` that always holds a prefix of the sequence. A model is only ever
-fed the tokens past that prefix (`extend`), so no prefix is re-encoded; after verification both
-caches are cut back to the tokens that survived (`rollback`), called from one place in the loop.
+Both models keep a `DynamicCache` that always holds a prefix of the work sequence. A model is only
+ever fed the tokens past that prefix (`extend`), so no prefix is re-encoded. The three other changes
+a speculative loop makes live here and nowhere else:
+  * `rollback`: after verification, cut every cache back to the columns that survived;
+  * `select_rows`: finished rows leave the batch (and the caches);
+  * `gather_columns`: compaction, each row's real columns gathered to the right (see batch.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from typing import Callable, Iterable
 
 import torch
 from transformers import Cache, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 
 class UnsupportedCacheError(ValueError):
@@ -48,6 +52,37 @@ def rollback(caches: Iterable[Cache | None], length: int) -> None:
     for cache in caches:
         if cache is not None and (extra := cache.get_seq_length() - length) > 0:
             cache.crop(-extra)  # transformers >= 5.23: a negative count removes that many positions
+
+
+def select_rows(caches: Iterable[Cache | None], keep: torch.Tensor) -> None:  # keep: [rows kept] indices
+    """Keep only the batch rows at `keep`, in order (`Cache.batch_select_indices`)."""
+    for cache in caches:
+        if cache is not None:
+            cache.batch_select_indices(keep)
+
+
+def can_gather(caches: Iterable[Cache | None]) -> bool:
+    """Whether `gather_columns` can rearrange these caches: plain full-attention layers only
+    (sliding-window layers keep a window, not the columns the gather indexes)."""
+    return all(type(layer) is DynamicLayer for c in caches if c is not None for layer in c.layers)
+
+
+def gather_columns(
+    caches: Iterable[Cache | None],
+    order: torch.Tensor,  # [rows, width]: for each row, the cached column indices to keep, in order
+    cached: int,  # the columns every cache holds; columns past it (held by some cache only) are kept as they are
+) -> None:
+    """Replace the first `cached` columns of every layer by the columns `order` picks, per row.
+    Requires `can_gather(caches)`."""
+    for cache in caches:
+        if cache is None:
+            continue
+        for layer in cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
+            layer.keys = torch.cat([layer.keys[:, :, :cached].gather(2, index), layer.keys[:, :, cached:]], dim=2)
+            layer.values = torch.cat([layer.values[:, :, :cached].gather(2, index), layer.values[:, :, cached:]], dim=2)
 
 
 @functools.lru_cache(maxsize=None)

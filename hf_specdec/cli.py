@@ -14,6 +14,7 @@ import time
 import torch
 
 from . import speculative_generate
+from .diagnostics import greedy_divergence
 from .pair import DRAFT, TARGET, check_same_vocabulary, load_model
 
 DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number, with a docstring."
@@ -82,19 +83,13 @@ def generate_command(args: argparse.Namespace) -> None:
             _explain_divergence(plain_out, out.sequences, prompt_len)
 
 
-def _explain_divergence(plain_out, sequences, prompt_len: int) -> None:
-    """Where greedy outputs part, and plain decoding's top-two logit margin there: in bf16 a margin of
-    0 is an exact tie, which a forward over several tokens may round the other way (every method
-    that verifies blocks, transformers' own included); the acceptance rule is not involved."""
-    a, b = plain_out.sequences[0, prompt_len:], sequences[0, prompt_len:]
-    n = min(len(a), len(b))
-    j = int((a[:n] != b[:n]).nonzero()[0]) if bool((a[:n] != b[:n]).any()) else n
-    if j >= len(plain_out.scores):
-        return
-    top2 = plain_out.scores[j][0].float().topk(2)
-    margin = float(top2.values[0] - top2.values[1])
-    print(f"  first difference at generated token {j}; plain decoding's top-two logit margin there: {margin:.4f}"
-          + (" (an exact bf16 tie: either token is a correct greedy choice)" if margin == 0 else ""))
+def _explain_divergence(plain_out, sequences: torch.Tensor, prompt_len: int) -> None:
+    """Where greedy outputs part, and plain decoding's top-two margin there (`hf_specdec.diagnostics`:
+    a margin of 0 is an exact bf16 tie, not the acceptance rule). sequences: (1, prompt_len + m)."""
+    scores = [step[0] for step in plain_out.scores]  # one (vocab,) row per generated token
+    divergence = greedy_divergence(plain_out.sequences[0, prompt_len:], sequences[0, prompt_len:], scores)
+    if divergence is not None:
+        print(f"  {divergence.describe()}")
 
 
 def main(argv: list[str] | None = None) -> None:

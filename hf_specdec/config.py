@@ -34,8 +34,11 @@ class SpeculativeConfig:
     # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
     # the EOS tokens. None: the full vocabulary. Exact either way (q is zero outside the subset).
     draft_vocab_size: int | None = None
-    # Pin the draft/target step cost ratio instead of measuring it (seeded runs then repeat exactly).
+    # Pin the draft/target step cost ratio c instead of measuring it online.
     draft_cost: float | None = None
+    # Pin the cost d of one more token in the verifying forward (in target steps) instead of fitting
+    # it online. With both costs pinned, the cost model reads no clock: seeded runs repeat exactly.
+    verify_cost: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -50,5 +53,7 @@ class SpeculativeConfig:
             raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
-        if self.draft_cost is not None and not self.draft_cost >= 0:
-            raise ValueError(f"draft_cost must be >= 0 (or None), got {self.draft_cost!r}")
+        for name in ("draft_cost", "verify_cost"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0 (or None), got {value!r}")

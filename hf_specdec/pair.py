@@ -162,7 +162,15 @@ def _local_folder(name_or_path: str, dtype: torch.dtype) -> str:
 
 def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     """GGUF -> dequantised model -> safetensors folder (loads in seconds afterwards)."""
+    import importlib.util
+
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ModelFileError(
+            f"reading {gguf.name} needs the gguf package, which the core install leaves out: "
+            "pip install 'hf_specdec[pair]'"
+        )
 
     logger.info("loading %s (dequantising GGUF, about a minute) and caching it as safetensors", gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)

@@ -1,10 +1,11 @@
 """What to draft each round, chosen by a cost model fed with what this generate call has measured.
 
-Units: one target forward over one new token costs 1. A draft forward costs `c` (the measured ratio
-of draft to target step time); each extra token in the verifying forward adds `d` (the verify
-token cost: verification is memory bound, so 8 tokens cost ~1.2 single steps on the CPU we measure
-on, not 8). A round that drafts j tokens then costs 1 + j (c + d) and emits 1 + sum_i P_i tokens in
-expectation, where P_i is the probability that draft tokens 1..i are all accepted.
+Units: one target forward over one new token costs 1. A draft forward costs `c` (the ratio of draft
+to target step time); each extra token in the verifying forward adds `d` (the verify token cost:
+verification is memory bound, so 8 tokens cost little more than one step on a CPU, while on a
+compute-bound device d is larger). A round that drafts j tokens then costs 1 + j (c + d) and emits
+1 + sum_i P_i tokens in expectation, where P_i is the probability that draft tokens 1..i are all
+accepted.
 
 Three decisions, each maximising expected tokens per unit of cost (Leviathan et al. 2023, sec. 3.4):
 
@@ -20,46 +21,66 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   (optimistic prior, so a match is tried); it is used when that rate is at least the draft model's
   recent rate. L itself is the length that maximises that rate.
 
+Both costs are measured online from the rounds' wall times: c from draft time per draft forward
+over the target's one-token step time, d from a least-squares fit of verify time against the
+verify width (forgetting old rounds exponentially). Until a fit is possible, priors stand in.
+
 None of this touches exactness: every decision depends only on the past and on the draft's own
-proposals, and each drafted position is still verified by the rejection rule. The measured costs
-come from wall time, so with `draft_cost=None` the draft lengths (and, under sampling, which random
-numbers a seeded run consumes) depend on timing; pin `draft_cost` for runs that must repeat exactly.
+proposals, and each drafted position is still verified by the rejection rule. Measured costs come
+from wall time, so the draft lengths (and, under sampling, which random numbers a seeded run
+consumes) depend on timing; pin `draft_cost` and `verify_cost` for runs that must repeat exactly.
 Pure Python (no torch, no transformers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
-DRAFT, NGRAM, NONE = "draft", "ngram", "none"  # where a round's proposal came from
+from .stats import DRAFT, NGRAM, NONE
 
 
 def _ema(old: float, new: float, weight: float) -> float:
     return (1 - weight) * old + weight * new
 
 
-@dataclass
-class DraftPolicy:
-    """Online cost model for one generate call (see the module docstring).
+@dataclass(frozen=True)
+class PolicySettings:
+    """The cost model's fixed settings for one generate call."""
 
-    adaptive: choose draft lengths and fall back to plain rounds; False drafts `max_draft_tokens`
-        every round (the cost model then only arbitrates between n-gram and draft proposals).
-    draft_cost: pin the draft/target cost ratio instead of measuring it.
-    """
-
-    max_draft_tokens: int = 8
-    adaptive: bool = True
-    draft_cost: float | None = None
-    verify_token_cost: float = 0.03  # extra cost per verified token; ~0.024 measured greedy on 2 CPU cores
-    prior_draft_cost: float = 0.4
+    max_draft_tokens: int = 8  # most draft-model tokens per round
+    adaptive: bool = True  # False: draft max_draft_tokens every round (the model only arbitrates n-gram vs draft)
+    draft_cost: float | None = None  # pin c instead of measuring it
+    verify_cost: float | None = None  # pin d instead of measuring it
+    prior_draft_cost: float = 0.4  # c before the first measurement (a 3x smaller draft on a CPU)
+    prior_verify_cost: float = 0.05  # d before two verify widths have been timed
     probe_interval: int = 8  # plain rounds before drafting is tried again
-    ema_weight: float = 0.2
-    calibration_bins: int = 10
+    ema_weight: float = 0.2  # weight of the newest round in running estimates
+    calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)
     calibration_prior: float = 2.0  # pseudo-observations per bin at acceptance = bin centre
 
-    # --- measured state ---
+    def __post_init__(self) -> None:
+        if self.max_draft_tokens < 1:
+            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
+        for name in ("draft_cost", "verify_cost"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
+
+
+@dataclass
+class PolicyState:
+    """What the cost model has measured so far in this generate call."""
+
+    target_warm: bool = False  # the target's prompt encoding (first round) is behind us
+    draft_warm: bool = False  # the draft's prompt encoding is behind us
     draft_step_seconds: float | None = None
-    target_step_seconds: float | None = None
+    # Exponentially weighted sums for the fit seconds = t1 * (1 + d * (width - 1)).
+    fit_n: float = 0.0
+    fit_x: float = 0.0  # width - 1
+    fit_y: float = 0.0  # seconds
+    fit_xx: float = 0.0
+    fit_xy: float = 0.0
     first_acceptance: float = 0.7  # running acceptance of draft position 1 (optimistic: try drafting)
     token_acceptance: float = 0.7  # running acceptance of any reached draft position
     ngram_acceptance: float = 0.8  # running per-token acceptance of n-gram proposals (optimistic)
@@ -67,45 +88,95 @@ class DraftPolicy:
     plain_streak: int = 0
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
-    # within the current draft
-    _p_all: list[float] = field(default_factory=list)
-    _expected: list[float] = field(default_factory=list)
-    _drafted: int = 0
 
-    def __post_init__(self) -> None:
-        if self.max_draft_tokens < 1:
-            raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
-        if self.draft_cost is not None and not self.draft_cost >= 0:
-            raise ValueError(f"draft_cost must be >= 0, got {self.draft_cost}")
-        n = self.calibration_bins
-        self.calib_accepted = [self.calibration_prior * (i + 0.5) / n for i in range(n)]
-        self.calib_reached = [self.calibration_prior] * n
+
+class DraftPolicy:
+    """Online cost model for one generate call (see the module docstring)."""
+
+    def __init__(self, settings: PolicySettings | None = None, state: PolicyState | None = None):
+        self.settings = settings or PolicySettings()
+        self.state = state or PolicyState()
+        if not self.state.calib_reached:
+            n, prior = self.settings.calibration_bins, self.settings.calibration_prior
+            self.state.calib_accepted = [prior * (i + 0.5) / n for i in range(n)]
+            self.state.calib_reached = [prior] * n
 
     # ------------------------------------------------------------ costs
+
+    def _fit(self) -> tuple[float, float] | None:
+        """(t1, d) from the weighted least-squares line through (width - 1, seconds), or None while
+        the widths seen are too alike to separate slope from intercept."""
+        s = self.state
+        if s.fit_n <= 0:
+            return None
+        mx, my = s.fit_x / s.fit_n, s.fit_y / s.fit_n
+        var = s.fit_xx / s.fit_n - mx * mx
+        if var < 0.25:  # widths within about +-0.5 of each other
+            return None
+        slope = (s.fit_xy / s.fit_n - mx * my) / var
+        t1 = my - slope * mx
+        if t1 <= 0:
+            return None
+        return t1, min(1.0, max(0.0, slope / t1))
+
+    @property
+    def verify_cost(self) -> float:
+        """d: one more token in the verifying forward, in units of one target step."""
+        if self.settings.verify_cost is not None:
+            return self.settings.verify_cost
+        fit = self._fit()
+        return self.settings.prior_verify_cost if fit is None else fit[1]
+
+    @property
+    def target_step_seconds(self) -> float | None:
+        """The target's one-token step time, from the fit (or from the mean time at the mean width)."""
+        s = self.state
+        if s.fit_n <= 0:
+            return None
+        fit = self._fit()
+        if fit is not None:
+            return fit[0]
+        return (s.fit_y / s.fit_n) / (1 + self.verify_cost * (s.fit_x / s.fit_n))
 
     @property
     def cost(self) -> float:
         """c: one draft forward in units of one target step."""
-        if self.draft_cost is not None:
-            return self.draft_cost
-        if self.draft_step_seconds is None or not self.target_step_seconds:
-            return self.prior_draft_cost
-        return self.draft_step_seconds / self.target_step_seconds
+        if self.settings.draft_cost is not None:
+            return self.settings.draft_cost
+        step = self.target_step_seconds
+        if self.state.draft_step_seconds is None or not step:
+            return self.settings.prior_draft_cost
+        return self.state.draft_step_seconds / step
+
+    @property
+    def measures_time(self) -> bool:
+        """Whether decisions read wall time (then the loop must time rounds accurately)."""
+        return self.settings.draft_cost is None or self.settings.verify_cost is None
 
     def observe_timing(self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int) -> None:
-        """One round's wall times; `width` tokens went through the verifying forward. Call it only
-        for rounds without a prefill (the first round encodes the whole prompt)."""
+        """One round's wall times; `width` tokens went through the verifying forward. A round in which
+        either model encoded the prompt (its first forward) is not a step and is skipped."""
+        s = self.state
+        if not s.target_warm or (draft_forwards > 0 and not s.draft_warm):
+            s.target_warm, s.draft_warm = True, s.draft_warm or draft_forwards > 0
+            return
+        w = self.settings.ema_weight
         if draft_forwards > 0:
             step = draft_seconds / draft_forwards
-            self.draft_step_seconds = step if self.draft_step_seconds is None else _ema(self.draft_step_seconds, step, self.ema_weight)
-        step = target_seconds / (1 + self.verify_token_cost * (width - 1))
-        self.target_step_seconds = step if self.target_step_seconds is None else _ema(self.target_step_seconds, step, self.ema_weight)
+            s.draft_step_seconds = step if s.draft_step_seconds is None else _ema(s.draft_step_seconds, step, w)
+        x, y = width - 1, target_seconds
+        decay = 1 - w / 2  # remember about the last 2 / w rounds
+        s.fit_n = decay * s.fit_n + 1
+        s.fit_x = decay * s.fit_x + x
+        s.fit_y = decay * s.fit_y + y
+        s.fit_xx = decay * s.fit_xx + x * x
+        s.fit_xy = decay * s.fit_xy + x * y
 
     # ------------------------------------------------------------ the round plan
 
     def ngram_length(self, available: int) -> tuple[int, float]:
         """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate."""
-        g, d = self.ngram_acceptance, self.verify_token_cost
+        g, d = self.state.ngram_acceptance, self.verify_cost
         best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
         for length in range(1, available + 1):
             p *= g
@@ -116,15 +187,15 @@ class DraftPolicy:
         return best, best_rate
 
     def expected_draft_rate(self) -> float:
-        if self.draft_rate is not None:
-            return self.draft_rate
-        return (1 + self.first_acceptance) / (1 + self.cost + self.verify_token_cost)
+        if self.state.draft_rate is not None:
+            return self.state.draft_rate
+        return (1 + self.state.first_acceptance) / (1 + self.cost + self.verify_cost)
 
     def should_draft(self) -> bool:
         """Draft this round, or take a plain target step (adaptive fallback with periodic probes)."""
-        if not self.adaptive or self.first_acceptance > self.cost + self.verify_token_cost:
+        if not self.settings.adaptive or self.state.first_acceptance > self.cost + self.verify_cost:
             return True
-        return self.plain_streak >= self.probe_interval
+        return self.state.plain_streak >= self.settings.probe_interval
 
     def plan(self, ngram_available: int) -> tuple[str, int]:
         """(source, length) for this round: NGRAM with L tokens, DRAFT (length decided while
@@ -134,34 +205,35 @@ class DraftPolicy:
             length, rate = self.ngram_length(ngram_available)
             if length and (not draft or rate >= self.expected_draft_rate()):
                 return NGRAM, length
-        return (DRAFT, self.max_draft_tokens) if draft else (NONE, 0)
+        return (DRAFT, self.settings.max_draft_tokens) if draft else (NONE, 0)
 
     # ------------------------------------------------------------ while drafting
 
     def calibrated(self, confidence: float) -> float:
         """P(target accepts a draft token | the draft gave it probability `confidence`)."""
-        b = min(int(confidence * self.calibration_bins), self.calibration_bins - 1)
-        return self.calib_accepted[b] / self.calib_reached[b]
+        b = min(int(confidence * self.settings.calibration_bins), self.settings.calibration_bins - 1)
+        return self.state.calib_accepted[b] / self.state.calib_reached[b]
 
-    def start_draft(self, rows: int) -> None:
-        self._p_all, self._expected, self._drafted = [1.0] * rows, [1.0] * rows, 0
+    def stop_rule(self, rows: int) -> Callable[[list[float]], bool] | None:
+        """A fresh `keep_drafting(confidences)` for one round of `rows` rows: after each drafted token
+        (given, per row, the draft's probability of it), whether to draft another. None when not
+        adaptive (draft max_draft_tokens)."""
+        if not self.settings.adaptive:
+            return None
+        p_all, expected, drafted = [1.0] * rows, [1.0] * rows, [0]
+        step = self.cost + self.verify_cost
 
-    def keep_drafting(self, confidences: list[float]) -> bool:
-        """After one more drafted token per row (its draft probability): draft another one?"""
-        self._drafted += 1
-        j = self._drafted
-        if j >= self.max_draft_tokens:
-            return False
-        if not self.adaptive:
-            return True
-        step = self.cost + self.verify_token_cost
-        for r, conf in enumerate(confidences):
-            self._p_all[r] *= self.calibrated(conf)
-            self._expected[r] += self._p_all[r]
-        return any(
-            p * self.token_acceptance / step > expected / (1 + j * step)
-            for p, expected in zip(self._p_all, self._expected)
-        )
+        def keep_drafting(confidences: list[float]) -> bool:
+            drafted[0] += 1
+            j = drafted[0]
+            for r, conf in enumerate(confidences):
+                p_all[r] *= self.calibrated(conf)
+                expected[r] += p_all[r]
+            return any(
+                p * self.state.token_acceptance / step > e / (1 + j * step) for p, e in zip(p_all, expected)
+            )
+
+        return keep_drafting
 
     # ------------------------------------------------------------ after verification
 
@@ -172,25 +244,26 @@ class DraftPolicy:
         num_accepted: list[int],  # per row
         confidences: list[list[float]] | None = None,  # per row, per drafted position (DRAFT rounds)
     ) -> None:
+        s, w = self.state, self.settings.ema_weight
         if source == NONE:
-            self.plain_streak += 1
+            s.plain_streak += 1
             return
-        self.plain_streak = 0
-        w = self.ema_weight
+        s.plain_streak = 0
+        bins = self.settings.calibration_bins
         for r, n in enumerate(num_accepted):
             reached = min(n + 1, num_drafted)
             for i in range(reached):
                 accepted = float(i < n)
                 if source == NGRAM:
-                    self.ngram_acceptance = _ema(self.ngram_acceptance, accepted, w / 2)
+                    s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w / 2)
                     continue
-                self.token_acceptance = _ema(self.token_acceptance, accepted, w / 2)
+                s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
-                    self.first_acceptance = _ema(self.first_acceptance, accepted, w)
+                    s.first_acceptance = _ema(s.first_acceptance, accepted, w)
                 if confidences is not None:
-                    b = min(int(confidences[r][i] * self.calibration_bins), self.calibration_bins - 1)
-                    self.calib_accepted[b] += accepted
-                    self.calib_reached[b] += 1
+                    b = min(int(confidences[r][i] * bins), bins - 1)
+                    s.calib_accepted[b] += accepted
+                    s.calib_reached[b] += 1
             if source == DRAFT:
-                rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_token_cost))
-                self.draft_rate = rate if self.draft_rate is None else _ema(self.draft_rate, rate, w)
+                rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
+                s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)

@@ -1,6 +1,6 @@
 """Logits -> processed scores -> probabilities -> token: the one path both models go through.
 
-The draft's q and the target's p are computed by the same two functions with the same
+The draft's q and the target's p are computed by the same `RowProcessors` type with the same
 `LogitsProcessorList` (the one `generate()` builds from the GenerationConfig: temperature, top-k,
 top-p, min-p, repetition penalty, no-repeat n-gram, bad words, ...), each time with the prefix the
 token at that position actually follows. That is what makes q and p comparable: a processor that
@@ -10,14 +10,17 @@ is applied to one and not the other (or with another prefix) silently breaks exa
 from __future__ import annotations
 
 import copy
-from typing import Callable, Sequence
+from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation import logits_process as lp
 
+from .verify import SPARSE_FRACTION, draw
+
 # transformers processors that treat every row alike and keep no per-row state: safe to apply to a
-# single row. (Repetition penalty keeps per-row padding lengths; `row_pipelines` slices them.)
+# single row. (Repetition penalty keeps per-row padding lengths; `RowProcessors` slices them.)
 ROW_INDEPENDENT = tuple(
     getattr(lp, name)
     for name in (
@@ -46,65 +49,153 @@ PREFIX_FREE = tuple(
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def process_logits(
-    processor: Processor | Sequence[Processor] | None,
-    prefix_ids: torch.Tensor | Sequence[torch.Tensor],  # [batch, prefix_len], or one [len_b] per row
-    logits: torch.Tensor,  # [batch, vocab]: raw model logits for the next token
-) -> torch.Tensor:  # [batch, vocab] float32 scores
-    """Apply the generation-config pipeline to one position, as `generate()` does.
+@dataclass(frozen=True)
+class Prefixes:
+    """What the logits processors see for each active row: its real sequence (prompt with its left
+    padding, then what it generated), exactly as plain `generate()` would show it; never the work
+    sequence with its masked holes.
 
-    In a batch, rows may have generated different numbers of tokens. `prefix_ids` is then a list of
-    per-row prefixes and `processor` a list of per-row pipelines (`row_pipelines`), applied row by
-    row: padding the prefixes to one length would change what processors such as repetition
-    penalty or min-length see.
+    `stacked` is the same as one [rows, len] tensor when every row has the same length (always for
+    a single row, and for a batch until rows accept different numbers of tokens)."""
+
+    sequences: tuple[torch.Tensor, ...]  # one [len_b] per active row
+    rows: tuple[int, ...]  # the original batch index of each active row
+    stacked: torch.Tensor | None  # [rows, len], or None when the lengths differ
+
+    @classmethod
+    def of(cls, sequences: list[torch.Tensor], rows: list[int]) -> "Prefixes":
+        same = len({s.shape[0] for s in sequences}) == 1
+        return cls(tuple(sequences), tuple(rows), torch.stack(sequences) if same else None)
+
+    @classmethod
+    def from_tensor(cls, ids: torch.Tensor, rows: list[int]) -> "Prefixes":  # ids: [rows, len]
+        return cls(tuple(ids.unbind(0)), tuple(rows), ids)
+
+
+class RowProcessors:
+    """One logits-processor pipeline, applied to each active row with that row's own prefix.
+
+    Rows of a batch may have generated different numbers of tokens; padding their prefixes to one
+    length would change what processors such as repetition penalty or min-length see, so such rows
+    are processed one by one with per-row pipelines (built once, here). Rows whose prefixes have one
+    length go through the batched pipeline in one call.
     """
-    scores = logits.to(torch.float32, copy=True)  # some processors write in place; keep raw logits intact
-    if isinstance(prefix_ids, torch.Tensor):
-        return processor(prefix_ids, scores) if processor else scores
-    return torch.cat(
-        [pipeline(p[None], scores[b : b + 1]) if pipeline else scores[b : b + 1]
-         for b, (pipeline, p) in enumerate(zip(processor, prefix_ids))]
+
+    def __init__(self, processor: LogitsProcessorList | None, batch_size: int):
+        self.pipeline = _fast(processor)
+        self.per_row = _row_pipelines(self.pipeline, batch_size) if batch_size > 1 else [self.pipeline]
+        pipeline = list(self.pipeline or [])
+        self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in pipeline)
+        self.row_independent = all(isinstance(p, ROW_INDEPENDENT) for p in pipeline)
+        self.batch_size = batch_size
+
+    def scores(
+        self,
+        prefixes: Prefixes,
+        drafts: torch.Tensor,  # [rows, i]: the draft tokens between the real prefix and this position
+        logits: torch.Tensor,  # [rows, vocab]: raw model logits for the next token
+    ) -> torch.Tensor:  # [rows, vocab] float32 scores
+        """The pipeline at one position, as `generate()` applies it."""
+        if self.pipeline is None:
+            return logits.float()
+        scores = logits.to(torch.float32, copy=True)  # processors may write in place; keep raw logits intact
+        if prefixes.stacked is not None and (self.row_independent or len(prefixes.rows) == self.batch_size):
+            return self.pipeline(torch.cat([prefixes.stacked, drafts], dim=1), scores)
+        return torch.cat(
+            [
+                self.per_row[row](torch.cat([seq, drafts[b]])[None], scores[b : b + 1])
+                for b, (row, seq) in enumerate(zip(prefixes.rows, prefixes.sequences))
+            ]
+        )
+
+    def positions(
+        self,
+        prefixes: Prefixes,
+        drafts: torch.Tensor,  # [rows, k]
+        logits: torch.Tensor,  # [rows, n, vocab]: raw logits at positions start..start+n-1 of the k + 1
+        start: int = 0,
+    ) -> torch.Tensor:  # [rows, n, vocab] float32 scores
+        """The pipeline at several positions, each with its own prefix (real + the drafts before it).
+        When no processor reads the prefix (temperature, top-k, top-p, ...), all positions go through
+        the pipeline in one call: the same row-wise operations, far less per-call overhead."""
+        rows, n, vocab = logits.shape
+        if self.pipeline is None:
+            return logits.float()
+        if self.prefix_free:
+            flat = logits.reshape(rows * n, vocab).to(torch.float32, copy=True)
+            any_prefix = drafts.new_zeros((rows * n, 1))  # never read
+            return self.pipeline(any_prefix, flat).view(rows, n, vocab)
+        return torch.stack(
+            [self.scores(prefixes, drafts[:, : start + i], logits[:, i]) for i in range(n)], dim=1
+        )
+
+
+class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
+    """transformers' top-p, computed over the finite entries only when few are finite.
+
+    transformers' `TopPLogitsWarper` sorts the whole vocabulary (152k entries for Qwen2.5) at every
+    position; after top-k or min-p only a few dozen entries are finite, and the -inf ones can never
+    be kept. On the CPU, when every row has at most SPARSE_FRACTION of the vocabulary finite, this
+    sorts just those: the same algorithm (ascending sort, softmax, cumulative sum, remove up to
+    1 - top_p, keep at least min_tokens_to_keep) on the same values, so it keeps the same tokens.
+    Two cases fall back to transformers' own code, so that ties are broken the way it breaks them:
+    a row where tied scores straddle the cut (its unstable sort decides which of them survive), and
+    a filter_value other than -inf. What can still differ is float32 rounding of the softmax
+    normaliser (a sum over fewer entries), which moves a token across the cut only when its
+    cumulative probability is within rounding of 1 - top_p. `tests/test_sampling.py` compares the
+    two on random and on tied inputs.
+    """
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores: [rows, vocab]
+        vocab = scores.shape[-1]
+        if scores.device.type != "cpu" or vocab < 1024 or self.filter_value != -float("inf"):
+            return super().__call__(input_ids, scores)
+        finite = int(torch.isfinite(scores).sum(dim=-1).max())
+        if not 0 < finite <= vocab * SPARSE_FRACTION:
+            return super().__call__(input_ids, scores)
+        candidates = scores.topk(finite, dim=-1).indices  # [rows, finite]: every finite entry (and some -inf)
+        sorted_logits, order = scores.gather(-1, candidates).sort(dim=-1)  # ascending, like transformers
+        remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)  # [rows, finite]
+        remove[..., -self.min_tokens_to_keep :] = False
+        if self._tie_at_cut(sorted_logits, remove.sum(dim=-1, keepdim=True)):
+            return super().__call__(input_ids, scores)  # its sort decides which tied tokens survive
+        removed = candidates.gather(-1, order).masked_fill(~remove, -1)  # [rows, finite]: token ids, -1 if kept
+        out = scores.clone()
+        rows = torch.arange(scores.shape[0], device=scores.device)[:, None].expand_as(removed)
+        hit = removed >= 0
+        out[rows[hit], removed[hit]] = self.filter_value
+        return out
+
+
+    @staticmethod
+    def _tie_at_cut(
+        sorted_logits: torch.Tensor,  # [rows, n] ascending
+        cut: torch.Tensor,  # [rows, 1]: how many are removed (removal is a prefix of the sorted order)
+    ) -> bool:
+        """Whether in some row the last removed and the first kept score are equal (and finite)."""
+        n = sorted_logits.shape[-1]
+        last_removed = sorted_logits.gather(-1, (cut - 1).clamp_min(0))
+        first_kept = sorted_logits.gather(-1, cut.clamp_max(n - 1))
+        return bool(((cut > 0) & (cut < n) & (last_removed == first_kept) & torch.isfinite(first_kept)).any())
+
+
+def _fast(processor: LogitsProcessorList | None) -> LogitsProcessorList | None:
+    """The pipeline with transformers' top-p swapped for `SparseTopPLogitsWarper` (same tokens, faster)."""
+    if not processor:
+        return None
+    return LogitsProcessorList(
+        SparseTopPLogitsWarper(p.top_p, p.filter_value, p.min_tokens_to_keep) if type(p) is lp.TopPLogitsWarper else p
+        for p in processor
     )
 
 
-def process_positions(
-    processor: Processor | Sequence[Processor] | None,
-    real: torch.Tensor | Sequence[torch.Tensor],  # [batch, seq], or one [len_b] per row
-    draft_tokens: torch.Tensor,  # [batch, k]
-    logits: torch.Tensor,  # [batch, k + 1, vocab]: raw logits after real, real + d1, ..., real + d1..dk
-    start: int = 0,
-    stop: int | None = None,
-) -> torch.Tensor:  # [batch, stop - start, vocab] float32 scores
-    """`process_logits` at positions start..stop-1 of the k + 1, each with its own prefix (real + the
-    drafts before it). When no processor reads the prefix (temperature, top-k, top-p, ...), the
-    positions go through the pipeline in one call: the same row-wise operations, far less per-call
-    overhead."""
-    stop = logits.shape[1] if stop is None else stop
-    logits = logits[:, start:stop]
-    batch, positions, vocab = logits.shape
-    if (
-        isinstance(real, torch.Tensor)
-        and isinstance(processor, LogitsProcessorList)
-        and all(isinstance(p, PREFIX_FREE) for p in processor)
-    ):
-        flat = logits.reshape(batch * positions, vocab)
-        return process_logits(processor, real.repeat_interleave(positions, dim=0), flat).view(batch, positions, vocab)
-    return torch.stack(
-        [
-            process_logits(processor, with_drafts(real, draft_tokens[:, : start + i]), logits[:, i])
-            for i in range(positions)
-        ],
-        dim=1,
-    )
-
-
-def row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[LogitsProcessorList | None]:
+def _row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[LogitsProcessorList | None]:
     """One pipeline per row, for applying processors to rows of different lengths separately.
 
     Raises for processors whose behaviour may depend on the row's place in the batch, unless we know
-    how to take that row's slice (repetition penalty's per-row padding lengths)."""
+    how to take that row's slice (repetition penalty's per-row prompt lengths)."""
     if not processor:
-        return [processor] * batch
+        return [None] * batch
     unknown = [type(p).__name__ for p in processor if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
     if unknown:
         raise ValueError(
@@ -123,16 +214,6 @@ def row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[Log
     return rows
 
 
-def with_drafts(
-    real: torch.Tensor | Sequence[torch.Tensor],  # [batch, seq], or one [len_b] per row
-    drafts: torch.Tensor,  # [batch, i]: the draft tokens before the position being scored
-) -> torch.Tensor | list[torch.Tensor]:
-    """The prefix a drafted position follows: the row's real sequence, then the drafts before it."""
-    if isinstance(real, torch.Tensor):
-        return torch.cat([real, drafts], dim=1)
-    return [torch.cat([r, drafts[b]]) for b, r in enumerate(real)]
-
-
 def logits_to_probs(scores: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]
     """Processed scores -> the distribution that is sampled from (temperature etc. are processors)."""
     return torch.softmax(scores.float(), dim=-1)
@@ -142,14 +223,5 @@ def sample(
     probs: torch.Tensor,  # [batch, vocab]
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:  # [batch] int64
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def select_token(
-    scores: torch.Tensor,  # [batch, vocab]: processed scores
-    do_sample: bool,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:  # [batch] int64
-    """Greedy: argmax of the processed scores (what plain greedy `generate` does). Sampling: a draw
-    from `logits_to_probs(scores)`."""
-    return sample(logits_to_probs(scores), generator) if do_sample else scores.argmax(dim=-1)
+    """A draw from each row of `probs` (`hf_specdec.verify.draw`: sparse on the CPU where it can be)."""
+    return draw(probs, generator)

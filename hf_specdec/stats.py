@@ -7,6 +7,9 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Union
 
+# Where a round's proposal came from: the draft model, an n-gram lookup, or nowhere (a plain step).
+DRAFT, NGRAM, NONE = "draft", "ngram", "none"
+
 # Receives one `RoundRecord` per round: a callable, or a path that gets one JSON object per line.
 AcceptanceSink = Union[Callable[["RoundRecord"], None], str, os.PathLike]
 
@@ -50,6 +53,16 @@ class AcceptanceStats:
     drafted_per_position: list[int] = field(default_factory=list)
     reached_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
+
+    def count_round(self, source: str, draft_forwards: int, draft_seconds: float, target_seconds: float) -> None:
+        """Count one round of the batch (one target forward)."""
+        self.rounds += 1
+        self.target_forwards += 1
+        self.ngram_rounds += source == NGRAM
+        self.plain_rounds += source == NONE
+        self.draft_forwards += draft_forwards
+        self.draft_seconds += draft_seconds
+        self.target_seconds += target_seconds
 
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
         """Count one row's round."""
@@ -128,3 +141,18 @@ def open_sink(sink: AcceptanceSink | None) -> tuple[Callable[[RoundRecord], None
         handle.write(json.dumps(record.to_dict()) + "\n")
 
     return write, handle.close
+
+
+def geometric_tokens_per_round(acceptance: float, k: int) -> float:
+    """Expected tokens emitted per round, (1 - a^(k+1)) / (1 - a), and k + 1 when a >= 1.
+
+    Leviathan et al. 2023 (arXiv:2211.17192), eq. 1 (Theorem 3.8's walltime improvement factor is
+    this over (kc + 1)): with k draft tokens per round, each accepted independently with probability
+    a, a round emits the accepted prefix plus one recovered or bonus token, so the count is a
+    geometric variable capped at k + 1. `a` is the per-token acceptance
+    (`AcceptanceStats.token_acceptance`, accepted / reached), not accepted / drafted, which is tied
+    to tokens per round by an identity and would make a comparison with this law circular.
+    """
+    if acceptance >= 1:
+        return k + 1.0
+    return (1 - acceptance ** (k + 1)) / (1 - acceptance)

@@ -14,6 +14,14 @@ token x was sampled from, both after the full logits-processor pipeline:
   * if all k draft tokens are accepted, sample one bonus token from p at position k + 1.
 The emitted tokens are then distributed exactly as if sampled from p one by one.
 
+A proposal with no distribution behind it (n-gram lookup, a greedy draft) is a point mass:
+q = one-hot(x). Passing `draft_probs=None` means exactly that, without building the one-hot
+tensors: x is accepted with probability p(x), and the residual is p with x removed.
+
+Two forms of the rule, which consume the same random numbers and return the same tokens:
+  * `speculative_sampling`: p given at every position up front (eager);
+  * `lazy_speculative_sampling`: p asked for chunk by chunk, only as far as some row still needs it.
+
 Departure from the paper: when max(0, p - q) sums to (numerically) zero, which happens when p equals
 q up to rounding, the residual is undefined; we sample from p instead of producing NaN. The event
 "reject although p == q" has probability equal to the residual mass, so this changes nothing
@@ -21,6 +29,8 @@ measurable (see `RESIDUAL_EPS`).
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -32,10 +42,16 @@ RESIDUAL_EPS = 1e-6
 # Filler for positions after the emitted tokens of a row in `emitted_tokens`.
 PAD_TOKEN = -1
 
+# `draw` samples among the non-zero entries only when at most this fraction of the vocabulary is non-zero.
+SPARSE_FRACTION = 1 / 8
+
+# p at target positions [start, stop): [batch, stop - start, vocab].
+TargetProbsAt = Callable[[int, int], torch.Tensor]
+
 
 def speculative_sampling(
     draft_tokens: torch.Tensor,  # [batch, k] int64: the draft tokens, x_1..x_k
-    draft_probs: torch.Tensor,  # [batch, k, vocab]: q, the distribution each x_i was drawn from
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab]: q, the distribution each x_i was drawn from; None: point masses
     target_probs: torch.Tensor,  # [batch, k + 1, vocab]: p at every drafted position, plus one
     generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,33 +62,58 @@ def speculative_sampling(
         emitted_tokens: [batch, k + 1] int64; row b holds num_accepted[b] accepted tokens followed
                         by one recovered or bonus token, then PAD_TOKEN.
     """
-    batch, k = draft_tokens.shape
     _check_shapes(draft_tokens, target_probs, draft_probs)
-    target_probs = target_probs.float()
-    draft_probs = draft_probs.float()
-
-    # 1. Accept x_i with probability min(1, p(x_i) / q(x_i)): u * q < p with u ~ U[0, 1).
-    #    Written without division so that p(x) == 0 never accepts, whatever q(x) is.
-    index = draft_tokens.unsqueeze(-1)  # [batch, k, 1]
-    p_x = target_probs[:, :k].gather(-1, index).squeeze(-1)  # [batch, k]
-    q_x = draft_probs.gather(-1, index).squeeze(-1)  # [batch, k]
-    u = torch.rand(p_x.shape, generator=generator, device=p_x.device)  # [batch, k]
-    accepted = u * q_x < p_x  # [batch, k]
+    uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
+    accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms)  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]: length of accepted prefix
-
-    # 2. The distribution of the one extra token: the residual normalize(max(0, p - q)) at the first
-    #    rejected position, or p itself at position k (bonus): q is zero-padded there, so the
-    #    residual *is* p.
-    rows = torch.arange(batch, device=draft_tokens.device)
-    p_n = target_probs[rows, num_accepted]  # [batch, vocab]
-    q_padded = torch.nn.functional.pad(draft_probs, (0, 0, 0, 1))  # [batch, k + 1, vocab]
-    residual = (p_n - q_padded[rows, num_accepted]).clamp_min(0.0)  # [batch, vocab]
-    mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
-    # Guard (departure from the paper, see module docstring): zero residual -> sample from p.
-    extra_dist = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_n)
-    extra_token = torch.multinomial(extra_dist, 1, generator=generator).squeeze(-1)  # [batch]
-
+    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator)
     return num_accepted, _assemble(draft_tokens, num_accepted, extra_token)
+
+
+def lazy_speculative_sampling(
+    draft_tokens: torch.Tensor,  # [batch, k] int64
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab]: q; None: point masses
+    target_probs_at: TargetProbsAt,  # (start, stop) -> p at positions [start, stop): [batch, stop - start, vocab]
+    generator: torch.Generator | None = None,
+    first_chunk: int = 4,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`speculative_sampling` with p computed only as far as it matters.
+
+    p at a position after a row's first rejection never influences that row, and computing it can
+    cost a full-vocabulary pass through the processors (top-p sorts the vocabulary), for every one
+    of up to 32 n-gram proposals. So p is requested in chunks of positions ([0, 4), then 8 more,
+    then 16, ...) until every row has either rejected a draft or reached its bonus position.
+
+    Exact, and the same function of the random stream as the eager rule: all k uniforms are drawn
+    first, in the same call as `speculative_sampling` draws them, and draft i is tested against
+    uniform i whenever it is reached, so the accepted prefix does not depend on where the chunks
+    end; the one extra token is then drawn from the same distribution (residual or bonus), by the
+    same multinomial call, once the position where it is drawn is known.
+
+    Returns num_accepted [batch], emitted_tokens [batch, k + 1] (as `speculative_sampling`) and p
+    at the positions computed, [batch, n, vocab] with num_accepted + 1 <= n <= k + 1 for every row.
+    """
+    batch, k = draft_tokens.shape
+    uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
+    num_accepted = torch.full((batch,), k, dtype=torch.long, device=draft_tokens.device)
+    decided = torch.zeros(batch, dtype=torch.bool, device=draft_tokens.device)
+    chunks, start, size = [], 0, first_chunk
+    while True:
+        stop = min(k + 1, start + size)
+        chunks.append(target_probs_at(start, stop))  # [batch, stop - start, vocab]
+        tested = min(stop, k)  # draft positions start..tested-1 are tested against this chunk
+        q = None if draft_probs is None else draft_probs[:, start:tested]
+        accepted = _accepts(draft_tokens[:, start:tested], q, chunks[-1], uniforms[:, start:tested])  # [batch, tested - start]
+        first_rejection = start + accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
+        newly = ~decided & (first_rejection < tested)
+        num_accepted = torch.where(newly, first_rejection, num_accepted)
+        decided |= newly
+        if stop == k + 1 or bool(decided.all()):
+            break
+        start, size = stop, 2 * size
+    target_probs = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [batch, stop, vocab]
+    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator)
+    return num_accepted, _assemble(draft_tokens, num_accepted, extra_token), target_probs
 
 
 def greedy_verification(
@@ -90,6 +131,74 @@ def greedy_verification(
     num_accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
     return num_accepted, _assemble(draft_tokens, num_accepted, target_argmax[rows, num_accepted])
+
+
+def _uniforms(draft_tokens: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:  # [batch, k]
+    return torch.rand(draft_tokens.shape, generator=generator, device=draft_tokens.device)
+
+
+def _accepts(
+    draft_tokens: torch.Tensor,  # [batch, j]
+    draft_probs: torch.Tensor | None,  # [batch, j, vocab] or None (point masses: q(x) = 1)
+    target_probs: torch.Tensor,  # [batch, >= j, vocab]
+    uniforms: torch.Tensor,  # [batch, j]
+) -> torch.Tensor:  # [batch, j] bool
+    """Accept x_i with probability min(1, p(x_i) / q(x_i)): u * q < p with u ~ U[0, 1). Written
+    without division so that p(x) == 0 never accepts, whatever q(x) is."""
+    index = draft_tokens.unsqueeze(-1)  # [batch, j, 1]
+    p_x = target_probs[:, : draft_tokens.shape[1]].float().gather(-1, index).squeeze(-1)  # [batch, j]
+    if draft_probs is None:
+        return uniforms < p_x
+    q_x = draft_probs.float().gather(-1, index).squeeze(-1)  # [batch, j]
+    return uniforms * q_x < p_x
+
+
+def _extra_token(
+    draft_tokens: torch.Tensor,  # [batch, k]
+    draft_probs: torch.Tensor | None,  # [batch, k, vocab] or None (point masses)
+    target_probs: torch.Tensor,  # [batch, > max(num_accepted), vocab]
+    num_accepted: torch.Tensor,  # [batch]
+    generator: torch.Generator | None,
+) -> torch.Tensor:  # [batch]
+    """The one extra token: from the residual normalize(max(0, p - q)) at the first rejected position,
+    or from p itself at position k (bonus), where q is taken as zero so the residual *is* p."""
+    batch, k = draft_tokens.shape
+    rows = torch.arange(batch, device=draft_tokens.device)
+    p_n = target_probs[rows, num_accepted].float()  # [batch, vocab]
+    rejected = num_accepted < k  # [batch]: False at the bonus position
+    if draft_probs is None:
+        # q = one-hot(x): max(0, p - q) is p with x's entry zeroed.
+        x_n = torch.nn.functional.pad(draft_tokens, (0, 1))[rows, num_accepted]  # [batch]
+        residual = p_n.scatter(-1, x_n[:, None], 0.0)
+        residual = torch.where(rejected[:, None], residual, p_n)
+    else:
+        q_n = torch.nn.functional.pad(draft_probs.float(), (0, 0, 0, 1))[rows, num_accepted]  # [batch, vocab]
+        residual = (p_n - q_n).clamp_min(0.0)
+    mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
+    # Guard (departure from the paper, see module docstring): zero residual -> sample from p.
+    extra_dist = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_n)
+    return draw(extra_dist, generator)
+
+
+def draw(
+    probs: torch.Tensor,  # [batch, vocab]: non-negative weights (each row need not sum to 1)
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:  # [batch] int64
+    """One token per row, with probability proportional to its weight.
+
+    After top-k / top-p / min-p only a few hundred of ~150k entries are non-zero, and on a CPU a
+    multinomial draw over the whole vocabulary costs more than the rest of a round's sampling. So on
+    the CPU, when every row has at most SPARSE_FRACTION of the vocabulary non-zero, the draw is made
+    among the non-zero entries only (picked by `topk`): the same law (weights proportional to the
+    same numbers), other random numbers consumed. Elsewhere: `torch.multinomial` over the row.
+    """
+    vocab = probs.shape[-1]
+    if probs.device.type == "cpu" and vocab >= 1024:
+        support = int((probs > 0).sum(dim=-1).max())
+        if 0 < support <= vocab * SPARSE_FRACTION:
+            weights, index = probs.topk(support, dim=-1)  # [batch, support]: every non-zero entry (and zeros)
+            return index.gather(-1, torch.multinomial(weights, 1, generator=generator)).squeeze(-1)
+    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
 
 
 def _assemble(

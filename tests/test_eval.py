@@ -5,22 +5,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
+import statistics
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
 
 import evaluate
+import matplotlib.pyplot as plt
+import numpy as np
 import pytest
+from matplotlib.colors import to_rgb
 
 from hf_specdec.pair import GgufSource, ModelFileError, assemble
+from hf_specdec.stats import geometric_tokens_per_round
 
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT / "evals" / "run_eval.py"
+BATCH_STUDY = ROOT / "evals" / "batch_study.py"
+BARS = ROOT / "evals" / "bars.py"
+TINY_METHODS = ["plain", "assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"]
 TINY_ARGS = ["--target", "tiny", "--draft", "tiny", "--prompts-per-category", "1", "--max-new-tokens", "12",
-             "--categories", "qa", "humaneval", "--threads", "1",
-             "--methods", "plain", "assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"]
+             "--categories", "qa", "humaneval", "--threads", "1", "--methods", *TINY_METHODS]
+HF_METHODS = ("hf_specdec", "hf_k5_model_only")
 
 
 def run(cmd, **kwargs):
@@ -30,47 +39,146 @@ def run(cmd, **kwargs):
     return result
 
 
+@pytest.fixture(scope="module")
+def tiny_eval(tmp_path_factory) -> Path:
+    """The tiny eval's output folder, run once for the tests that read it."""
+    out = tmp_path_factory.mktemp("tiny_eval")
+    run([sys.executable, str(EVAL), *TINY_ARGS, "--out", str(out)])
+    return out
+
+
 def check_outputs(out: Path, processes: int):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["config"]["processes"] == processes
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
-    # 2 prompts x 2 modes x 5 methods, gathered from every process.
-    assert len(records) == 2 * 2 * 5
+    # 2 prompts x 2 modes x 5 methods, gathered from every process, none failed.
+    assert len(records) == 2 * 2 * 5 and not [r for r in records if "error" in r]
     assert {r["id"] for r in records} == {r["id"] for r in records if r["method"] == "plain"}
+    check_records(records)
+    check_summary(summary["summary"], records)
     greedy = summary["summary"]["greedy"]
-    for method in ("assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"):
-        for category in ("qa", "humaneval"):
-            entry = greedy[method]["categories"][category]
-            assert entry["all_match_plain"] is True
-            assert entry["median_speedup"] > 0
+    for method in TINY_METHODS[1:]:
+        assert all(greedy[method]["categories"][c]["all_match_plain"] is True for c in ("qa", "humaneval"))
     spec = greedy["hf_specdec"]["categories"]["qa"]
-    assert 0 <= spec["acceptance_rate"] <= 1
     assert spec["metric"]["acceptance_rate"] == pytest.approx(spec["acceptance_rate"])
-    for png in ("speedup_by_category.png", "acceptance_by_position.png", "tokens_per_round_vs_geometric.png"):
-        assert (out / png).stat().st_size > 1000
+    check_plots(out, methods=len(TINY_METHODS) - 1, categories=2)
     assert "| hf_specdec | qa |" in (out / "summary.md").read_text()
 
 
+def check_records(records):
+    """Every record's figures recomputed from its own counts: speedup against plain on the same
+    prompt and mode, tokens per target forward, and hf_specdec's logged rounds against its totals."""
+    plain = {(r["id"], r["mode"]): r for r in records if r["method"] == "plain"}
+    for r in records:
+        assert r["new_tokens"] == len(r["tokens"]) > 0
+        assert r["tokens_per_target_forward"] == pytest.approx(r["new_tokens"] / r["target_forwards"])
+        if r["method"] == "plain":
+            continue
+        base = plain[(r["id"], r["mode"])]
+        assert r["speedup"] == pytest.approx((r["new_tokens"] / r["seconds"]) / (base["new_tokens"] / base["seconds"]))
+        if r["method"] == "assisted":  # each target forward emits accepted + 1 tokens
+            assert r["accepted"] == max(0, r["new_tokens"] - r["target_forwards"])
+            assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
+        if r["method"] in HF_METHODS:
+            drafted, accepted, emitted = (sum(step[i] for step in r["round_log"]) for i in range(3))
+            assert (drafted, accepted, emitted) == (r["drafted"], r["accepted"], r["new_tokens"])
+            assert len(r["round_log"]) == r["rounds"]
+            assert r["acceptance_rate"] == pytest.approx(r["accepted"] / r["drafted"])
+
+
+def check_summary(summary, records):
+    """Each category entry against the records it summarises."""
+    for mode, block in summary.items():
+        for method, result in block.items():
+            medians = []
+            for category, entry in result["categories"].items():
+                rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, method, category)]
+                assert entry["prompts"] == len(rows) > 0
+                assert entry["median_speedup"] == pytest.approx(statistics.median(r["speedup"] for r in rows))
+                tokens, forwards = sum(r["new_tokens"] for r in rows), sum(r["target_forwards"] for r in rows)
+                assert entry["tokens_per_target_forward"] == pytest.approx(tokens / forwards)
+                if method != "prompt_lookup":  # the methods that report what they drafted
+                    drafted, accepted = sum(r["drafted"] for r in rows), sum(r["accepted"] for r in rows)
+                    assert entry["acceptance_rate"] == pytest.approx(accepted / drafted)
+                if method in HF_METHODS:
+                    reached = sum(sum(r["per_position_reached"]) for r in rows)
+                    assert entry["token_acceptance"] == pytest.approx(accepted / reached)
+                    assert entry["rounds"] == sum(r["rounds"] for r in rows)
+                    k = max(1, round(drafted / entry["rounds"]))
+                    assert entry["geometric_tokens_per_round"] == pytest.approx(
+                        geometric_tokens_per_round(entry["token_acceptance"], k))
+                medians.append(entry["median_speedup"])
+            assert result["geomean_speedup"] == pytest.approx(math.prod(medians) ** (1 / len(medians)))
+
+
+def check_plots(out: Path, methods: int, categories: int):
+    """Each PNG at its figure size (inches x 120 dpi), with one colour per series drawn: a bar series
+    per method in the speedup plot, a line per category in the per-position plot, a scatter per mode
+    (alpha 0.7 over white) in the geometric-law plot."""
+    def pixels(name, colour, alpha=1.0) -> int:
+        image = plt.imread(out / name)[..., :3]  # (height, width, rgb) floats in [0, 1]
+        target = alpha * np.array(to_rgb(colour)) + (1 - alpha)
+        return int((np.abs(image - target).max(axis=-1) < 0.03).sum())
+
+    sizes = {"speedup_by_category.png": (480, 2 * 7 * 120), "acceptance_by_position.png": (480, 12 * 120),
+             "tokens_per_round_vs_geometric.png": (540, 660)}
+    for name, size in sizes.items():
+        assert plt.imread(out / name).shape[:2] == size, name
+    assert all(pixels("speedup_by_category.png", f"C{i}") for i in range(methods))
+    assert pixels("speedup_by_category.png", f"C{methods}") == 0
+    assert all(pixels("acceptance_by_position.png", f"C{i}") for i in range(categories))
+    assert pixels("acceptance_by_position.png", f"C{categories}") == 0
+    assert all(pixels("tokens_per_round_vs_geometric.png", f"C{i}", alpha=0.7) for i in range(2))
+
+
+def test_geometric_tokens_per_round():
+    assert geometric_tokens_per_round(0.0, 5) == 1.0  # nothing accepted: the recovered token only
+    assert geometric_tokens_per_round(0.5, 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert geometric_tokens_per_round(1.0, 3) == 4.0  # everything accepted: k drafts + the bonus token
+
+
 def test_batch_throughput_study_on_tiny_models(tmp_path):
-    run([sys.executable, str(EVAL), "--target", "tiny", "--draft", "tiny", "--batch-sizes", "1", "2", "4",
+    run([sys.executable, str(BATCH_STUDY), "--target", "tiny", "--draft", "tiny", "--batch-sizes", "1", "2", "4",
          "--max-new-tokens", "10", "--threads", "1", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "batch_throughput.json").read_text())
     assert [r["batch_size"] for r in result["rows"]] == [1, 2, 4]
     for row in result["rows"]:
         assert row["prompts"] == 4 and row["all_match_plain"] is True
         assert row["plain_tokens_per_s"] > 0 and row["hf_specdec_tokens_per_s"] > 0
+        assert row["ratio"] == pytest.approx(row["hf_specdec_tokens_per_s"] / row["plain_tokens_per_s"])
+        assert 0 <= row["acceptance_rate"] <= 1
+    assert "| 4 | 4 |" in (tmp_path / "batch_throughput.md").read_text()
 
 
-def test_eval_end_to_end_on_tiny_models(tmp_path):
-    run([sys.executable, str(EVAL), *TINY_ARGS, "--out", str(tmp_path)])
-    check_outputs(tmp_path, processes=1)
+def test_eval_end_to_end_on_tiny_models(tiny_eval, tmp_path):
+    check_outputs(tiny_eval, processes=1)
     # The summary and plots can be rebuilt from the records alone.
-    run([sys.executable, str(EVAL), "--from-records", str(tmp_path / "records.jsonl"), "--out", str(tmp_path / "again")])
-    before = json.loads((tmp_path / "summary.json").read_text())["summary"]
-    after = json.loads((tmp_path / "again" / "summary.json").read_text())["summary"]
-    assert after["greedy"]["hf_specdec"] == before["greedy"]["hf_specdec"]
+    run([sys.executable, str(EVAL), "--from-records", str(tiny_eval / "records.jsonl"), "--out", str(tmp_path)])
+    before = json.loads((tiny_eval / "summary.json").read_text())["summary"]
+    after = json.loads((tmp_path / "summary.json").read_text())["summary"]
+    assert after == before
     spec = after["greedy"]["hf_specdec"]["categories"]["qa"]
     assert 0 <= spec["token_acceptance"] <= 1 and spec["geometric_tokens_per_round"] >= 1
+
+
+def test_bars_table_on_a_subset_without_assisted(tiny_eval):
+    summary = json.loads((tiny_eval / "summary.json").read_text())["summary"]
+    result = run([sys.executable, str(BARS), str(tiny_eval / "summary.json"), "--methods", "prompt_lookup", "hf_specdec"])
+    text = result.stdout
+    assert "assisted" not in text
+    for mode in ("greedy", "sampling"):
+        assert f"## {mode}" in text
+        block = summary[mode]
+        for category in ("qa", "humaneval"):
+            lookup = block["prompt_lookup"]["categories"][category]["median_speedup"]
+            spec = block["hf_specdec"]["categories"][category]
+            ratio = spec["median_speedup"] / lookup
+            assert (f"| {category} | {lookup:.2f}x | {spec['median_speedup']:.2f}x | {ratio:.2f} | "
+                    f"{spec['predicted_speedup']:.2f}x |") in text
+    assert "| category | prompt_lookup | hf_specdec | hf / best of prompt_lookup |" in text
+    # Without any transformers method the comparison column goes, the rest stays.
+    text = run([sys.executable, str(BARS), str(tiny_eval / "summary.json"), "--methods", "hf_k5_model_only"]).stdout
+    assert "| category | hf_k5_model_only |" in text and "best of" not in text and "| qa |" in text
 
 
 def test_eval_splits_prompts_across_two_cpu_processes_with_accelerate(tmp_path):

@@ -9,6 +9,8 @@ goodness-of-fit test at level ALPHA. The same test must reject deliberately brok
 from __future__ import annotations
 
 
+import dataclasses
+
 import pytest
 import torch
 from scipy import stats
@@ -23,7 +25,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import hf_specdec
 from conftest import perturbed, tiny_model
-from hf_specdec.candidates import DraftCandidateGenerator
+from hf_specdec.proposals import DraftModelDrafter, NgramDrafter
 
 ALPHA = 1e-3  # a correct implementation fails each test with probability 0.001
 VOCAB, NEW, SAMPLES = 8, 3, 3000
@@ -89,12 +91,13 @@ def pair():
     return target, draft, exact_joint(target)
 
 
-def sample_sequences(target, seed, samples=SAMPLES, **kwargs) -> list[tuple[int, ...]]:
+def sample_sequences(target, seed, prompt=PROMPT, samples=SAMPLES, **kwargs) -> list[tuple[int, ...]]:
+    """The first NEW tokens of `samples` generate() calls on one prompt."""
     torch.manual_seed(seed)  # plain generate() draws from the global generator; so do we without `generator=`
     out = []
     for _ in range(samples):
-        seq = target.generate(PROMPT, max_new_tokens=NEW, **SAMPLING, **kwargs)
-        out.append(tuple(seq[0, PROMPT.shape[1] :].tolist()))
+        seq = target.generate(prompt, max_new_tokens=NEW, **SAMPLING, **kwargs)
+        out.append(tuple(seq[0, prompt.shape[1] :].tolist()))
     return out
 
 
@@ -104,14 +107,15 @@ def spec_kwargs(draft, **extra):
     return dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, **settings)
 
 
-class UnprocessedQ(DraftCandidateGenerator):
-    """Broken on purpose: samples from the processed q but reports the unprocessed draft logits, so
-    acceptance uses a q other than the one the token was drawn from."""
+class UnprocessedQ(DraftModelDrafter):
+    """Broken on purpose: samples from the processed q but reports the unprocessed draft distribution,
+    so acceptance uses a q other than the one the token was drawn from."""
 
-    def get_candidates(self, input_ids, *args, **kwargs):
-        candidate_ids, _ = super().get_candidates(input_ids, *args, **kwargs)
-        raw = self.model(candidate_ids).logits[:, input_ids.shape[1] - 1 : -1].float()
-        return candidate_ids, raw
+    def propose(self, request):
+        proposal = super().propose(request)
+        candidate_ids = torch.cat([request.ids, proposal.tokens], dim=1)
+        raw = self.model(candidate_ids).logits[:, request.ids.shape[1] - 1 : -1].float()
+        return dataclasses.replace(proposal, draft_probs=torch.softmax(raw, -1))
 
 
 class TopTokenProposer(CandidateGenerator):
@@ -146,7 +150,7 @@ def test_broken_variant_unprocessed_q_is_detected(pair):
     target, draft, law = pair
     # Power: at 3000 samples this variant gave chi2 ~135 on ~71 dof (noncentrality ~64). At 2 x SAMPLES
     # the expected statistic is ~205 on ~77 dof, ~3 sd above the 0.999 quantile (~119): power > 0.99.
-    broken = UnprocessedQ(draft, processors(), num_draft_tokens=2, do_sample=True)
+    broken = UnprocessedQ(draft, processors(), do_sample=True)
     samples = sample_sequences(target, 2, samples=2 * SAMPLES, **spec_kwargs(None, candidate_generator=broken))
     statistic, dof, pvalue = chi_square_against(law, samples)
     print(f"\nbroken (unprocessed q): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
@@ -178,18 +182,31 @@ def test_law_has_enough_cells_to_have_power(pair):
     assert max(law.values()) < 0.3
 
 
+def test_sampling_is_exact_with_a_large_vocabulary():
+    """With 2048 tokens, top-k leaves few finite scores, so the CPU fast paths run: the sparse top-p
+    (hf_specdec.sampling.SparseTopPLogitsWarper) for both models and the sparse draw
+    (hf_specdec.verify.draw). The reference law is enumerated with transformers' own warpers."""
+    target = tiny_model("llama", vocab=2048, seed=22, init=0.25)
+    draft = perturbed(target, noise=0.4)
+    law = exact_joint(target)
+    assert sum(p * SAMPLES >= 5 for p in law.values()) >= 20 and max(law.values()) < 0.3
+    statistic, dof, pvalue = chi_square_against(law, sample_sequences(target, 12, **spec_kwargs(draft)))
+    print(f"\nlarge vocabulary (sparse paths): chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+    assert pvalue > ALPHA
+
+
 # ---------------------------------------------------------------- batched
 
 
 BATCH_PROMPTS = [[1, 5, 2], [1, 3], [1, 6, 4, 7]]
 
 
-class OverconfidentQ(DraftCandidateGenerator):
-    """Broken on purpose (batched): samples from q but reports scores doubled, i.e. a sharper q."""
+class OverconfidentQ(DraftModelDrafter):
+    """Broken on purpose (batched): samples from q but reports its scores doubled, i.e. a sharper q."""
 
-    def get_candidates(self, *args, **kwargs):
-        candidate_ids, scores = super().get_candidates(*args, **kwargs)
-        return candidate_ids, scores * 2.0
+    def propose(self, request):
+        proposal = super().propose(request)
+        return dataclasses.replace(proposal, draft_probs=torch.softmax(2.0 * proposal.draft_probs.log(), -1))
 
 
 def sample_batched(target, seed, **kwargs) -> list[list[tuple[int, ...]]]:
@@ -222,7 +239,7 @@ def test_batched_sampling_is_exact_per_row(pair, batch_laws):
 
 def test_batched_broken_variant_is_detected(pair, batch_laws):
     target, draft, _ = pair
-    broken = OverconfidentQ(draft, processors(), num_draft_tokens=2, do_sample=True)
+    broken = OverconfidentQ(draft, processors(), do_sample=True)
     per_row = sample_batched(target, 6, **spec_kwargs(None, candidate_generator=broken))
     pvalues = []
     for row, (law, samples) in enumerate(zip(batch_laws, per_row)):
@@ -244,15 +261,6 @@ def hybrid_law(pair):
     return exact_joint(target, HYBRID_PROMPT)
 
 
-def sample_from(target, prompt, seed, samples=SAMPLES, **kwargs) -> list[tuple[int, ...]]:
-    torch.manual_seed(seed)
-    out = []
-    for _ in range(samples):
-        seq = target.generate(prompt, max_new_tokens=NEW, **SAMPLING, **kwargs)
-        out.append(tuple(seq[0, prompt.shape[1] :].tolist()))
-    return out
-
-
 def hybrid_kwargs(draft, sources: list | None = None):
     """Library defaults (adaptive length, hybrid n-gram drafts), cheap pinned draft cost, k <= 3."""
     sink = None if sources is None else (lambda record: sources.append(record.source))
@@ -265,7 +273,7 @@ def test_hybrid_ngram_drafts_are_exact(pair, hybrid_law):
     target, draft, _ = pair
     assert sum(p * SAMPLES >= 5 for p in hybrid_law.values()) >= 20 and max(hybrid_law.values()) < 0.3
     sources = []
-    samples = sample_from(target, HYBRID_PROMPT, 7, **hybrid_kwargs(draft, sources))
+    samples = sample_sequences(target, 7, HYBRID_PROMPT, **hybrid_kwargs(draft, sources))
     assert sources.count("ngram") >= SAMPLES  # at least one n-gram round per call
     statistic, dof, pvalue = chi_square_against(hybrid_law, samples)
     print(f"\nhybrid n-gram + draft: chi2={statistic:.1f} dof={dof} p={pvalue:.3f} ({sources.count('ngram')} n-gram rounds)")
@@ -276,15 +284,14 @@ def test_broken_hybrid_ngram_with_a_uniform_q_is_detected(pair, hybrid_law, monk
     """Broken on purpose: n-gram proposals verified as if drawn from a uniform q (accept with
     min(1, p(x) / (1/V)) instead of p(x))."""
     target, draft, _ = pair
-    real = hf_specdec.generate._draft_probs
+    real = NgramDrafter.propose
 
-    def uniform_for_lookups(draft_scores, draft_tokens, vocab):
-        if draft_scores is None:
-            return torch.full((*draft_tokens.shape, vocab), 1.0 / vocab)
-        return real(draft_scores, draft_tokens, vocab)
+    def uniform_q(self, request):
+        proposal = real(self, request)
+        return dataclasses.replace(proposal, draft_probs=torch.full((*proposal.tokens.shape, VOCAB), 1.0 / VOCAB))
 
-    monkeypatch.setattr(hf_specdec.generate, "_draft_probs", uniform_for_lookups)
-    samples = sample_from(target, HYBRID_PROMPT, 8, **hybrid_kwargs(draft))
+    monkeypatch.setattr(NgramDrafter, "propose", uniform_q)
+    samples = sample_sequences(target, 8, HYBRID_PROMPT, **hybrid_kwargs(draft))
     statistic, dof, pvalue = chi_square_against(hybrid_law, samples)
     print(f"\nBROKEN hybrid (uniform q for lookups): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
     assert pvalue < ALPHA
@@ -303,24 +310,24 @@ def test_reduced_vocabulary_draft_is_exact(pair):
     assert pvalue > ALPHA
 
 
-class SubsetSampledFullQ(DraftCandidateGenerator):
+class SubsetSampledFullQ(DraftModelDrafter):
     """Broken on purpose: drafts from the reduced-vocabulary head but reports the full-vocabulary q
     (so tokens inside the subset look less likely to the rule than they were)."""
 
-    def get_candidates(self, input_ids, *args, **kwargs):
-        candidate_ids, _ = super().get_candidates(input_ids, *args, **kwargs)
-        start, pipeline = input_ids.shape[1], processors()
+    def propose(self, request):
+        proposal = super().propose(request)
+        candidate_ids = torch.cat([request.ids, proposal.tokens], dim=1)
+        start, pipeline = request.ids.shape[1], processors()
         full = [
             pipeline(candidate_ids[:, :i], self.model(candidate_ids[:, :i]).logits[:, -1].float())
             for i in range(start, candidate_ids.shape[1])
         ]
-        return candidate_ids, torch.stack(full, dim=1)
+        return dataclasses.replace(proposal, draft_probs=torch.softmax(torch.stack(full, dim=1), -1))
 
 
 def test_broken_reduced_vocabulary_with_full_q_is_detected(pair):
     target, draft, law = pair
-    broken = SubsetSampledFullQ(draft, processors(), num_draft_tokens=2, do_sample=True)
-    broken.restrict_vocabulary(SUBSET)
+    broken = SubsetSampledFullQ(draft, processors(), do_sample=True, vocabulary=SUBSET)
     samples = sample_sequences(target, 10, **spec_kwargs(None, candidate_generator=broken))  # chi2 ~900 at 2x: ample
     statistic, dof, pvalue = chi_square_against(law, samples)
     print(f"\nBROKEN reduced vocabulary (full q reported): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")

@@ -11,8 +11,8 @@ import torch
 
 import hf_specdec
 from conftest import perturbed, tiny_model
-from hf_specdec.ngram import NgramCandidateGenerator, ngram_lookup
-from hf_specdec.policy import DRAFT, NGRAM, NONE, DraftPolicy
+from hf_specdec.policy import DRAFT, NGRAM, NONE, DraftPolicy, PolicySettings, PolicyState
+from hf_specdec.proposals import NgramCandidateGenerator, ngram_lookup
 from hf_specdec.quantize import quantize_weights
 
 # A prompt that repeats itself, so n-gram lookup has matches from the first round.
@@ -31,14 +31,16 @@ def spec(model, draft, prompt=REPEATING, **kwargs):
 
 def test_ngram_lookup_takes_the_most_recent_longest_match():
     seq = torch.tensor([4, 1, 2, 8, 9, 1, 2, 3, 6, 0, 1, 2])
-    proposal, n = ngram_lookup(seq, max_ngram=3, min_ngram=1, max_tokens=3)
-    assert n == 2 and proposal.tolist() == [3, 6, 0]  # (1, 2) last occurred at 5..6, followed by 3, 6, 0
-    proposal, n = ngram_lookup(torch.tensor([7, 3, 7, 3, 5, 7, 3]), 3, 2, max_tokens=10)
-    assert n == 2 and proposal.tolist() == [5, 7, 3]  # longest continuation of the latest match
-    proposal, n = ngram_lookup(torch.tensor([1, 2, 3, 4]), 3, 2, max_tokens=5)
-    assert n == 0 and proposal.numel() == 0
-    proposal, n = ngram_lookup(torch.tensor([5, 1, 2, 3, 9, 2, 3]), 3, 2, max_tokens=5)
-    assert n == 2 and proposal.tolist() == [9, 2, 3]  # (2, 3) at 2..3; the 3-gram (9, 2, 3) never occurred
+    proposal = ngram_lookup(seq, max_ngram=3, min_ngram=1, max_tokens=3)
+    assert proposal.tolist() == [3, 6, 0]  # (1, 2) last occurred at 5..6, followed by 3, 6, 0 (not (2) at 10: 1, 2)
+    proposal = ngram_lookup(torch.tensor([7, 3, 7, 3, 5, 7, 3]), 3, 2, max_tokens=10)
+    assert proposal.tolist() == [5, 7, 3]  # longest continuation of the latest match
+    proposal = ngram_lookup(torch.tensor([1, 2, 3, 4]), 3, 2, max_tokens=5)
+    assert proposal.numel() == 0
+    proposal = ngram_lookup(torch.tensor([5, 1, 2, 3, 9, 2, 3]), 3, 2, max_tokens=5)
+    assert proposal.tolist() == [9, 2, 3]  # (2, 3) at 2..3; the 3-gram (9, 2, 3) never occurred
+    proposal = ngram_lookup(torch.tensor([1, 2, 3, 8, 2, 3, 9, 1, 2, 3]), 3, 2, max_tokens=2)
+    assert proposal.tolist() == [8, 2]  # the 3-gram (1, 2, 3) beats the more recent 2-gram (2, 3)
 
 
 def test_ngram_candidate_generator_follows_the_contract_and_is_greedy_exact():
@@ -58,40 +60,38 @@ def test_ngram_candidate_generator_follows_the_contract_and_is_greedy_exact():
 
 
 def test_policy_falls_back_to_plain_rounds_and_probes_again():
-    policy = DraftPolicy(max_draft_tokens=6, draft_cost=0.5, probe_interval=3)
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=6, draft_cost=0.5, probe_interval=3))
     assert policy.plan(0) == (DRAFT, 6)  # optimistic start: try drafting
-    assert DraftPolicy(draft_cost=0.9).plan(0) == (NONE, 0)  # a draft this dear is not even tried
+    assert DraftPolicy(PolicySettings(draft_cost=0.9)).plan(0) == (NONE, 0)  # a draft this dear is not even tried
     for _ in range(4):
         policy.observe_round(DRAFT, 1, [0], [[0.2]])  # first draft token always rejected
-    assert policy.first_acceptance < policy.cost
+    assert policy.state.first_acceptance < policy.cost
     plans = []
     for _ in range(4):
         source, _ = policy.plan(0)
         plans.append(source)
         policy.observe_round(source, 0 if source == NONE else 1, [0], None if source == NONE else [[0.2]])
     assert plans == [NONE, NONE, NONE, DRAFT]  # the probe after probe_interval plain rounds
-    assert DraftPolicy(max_draft_tokens=6, adaptive=False, draft_cost=0.9, first_acceptance=0.0).plan(0) == (DRAFT, 6)
+    fixed = DraftPolicy(PolicySettings(max_draft_tokens=6, adaptive=False, draft_cost=0.9), PolicyState(first_acceptance=0.0))
+    assert fixed.plan(0) == (DRAFT, 6)
 
 
 def test_policy_stops_drafting_on_low_confidence_and_continues_on_high():
-    def drafted(confidence, cost):
-        policy = DraftPolicy(max_draft_tokens=8, draft_cost=cost)
-        policy.start_draft(1)
-        n = 1
-        while policy.keep_drafting([confidence]):
+    def drafted(confidence, cost, most=8):
+        keep_drafting = DraftPolicy(PolicySettings(draft_cost=cost, verify_cost=0.03)).stop_rule(1)
+        n = 1  # as the draft loop runs it: at most `most` tokens, asking after each but the last
+        while n < most and keep_drafting([confidence]):
             n += 1
         return n
 
     assert drafted(0.99, cost=0.1) == 8
     assert drafted(0.05, cost=0.1) == 1
     assert drafted(0.6, cost=0.1) > drafted(0.6, cost=0.5)  # dearer drafts, shorter rounds
-    fixed = DraftPolicy(max_draft_tokens=5, adaptive=False, draft_cost=0.1)
-    fixed.start_draft(1)
-    assert [fixed.keep_drafting([0.01]) for _ in range(5)] == [True, True, True, True, False]  # 5 drafted
+    assert DraftPolicy(PolicySettings(max_draft_tokens=5, adaptive=False, draft_cost=0.1)).stop_rule(1) is None  # k drafted
 
 
 def test_policy_calibrates_confidence_against_what_was_accepted():
-    policy = DraftPolicy(draft_cost=0.1)
+    policy = DraftPolicy(PolicySettings(draft_cost=0.1))
     before = policy.calibrated(0.95)
     for _ in range(50):
         policy.observe_round(DRAFT, 1, [0], [[0.95]])  # confident drafts that the target rejects
@@ -99,16 +99,22 @@ def test_policy_calibrates_confidence_against_what_was_accepted():
 
 
 def test_policy_prefers_ngram_while_it_pays_and_measures_costs():
-    policy = DraftPolicy(max_draft_tokens=8)
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8))
     assert policy.plan(10)[0] == NGRAM  # optimistic prior for n-gram proposals
     for _ in range(30):
         policy.observe_round(NGRAM, 10, [0])  # n-gram proposals always rejected
     assert policy.plan(10)[0] == DRAFT
-    policy.observe_timing(draft_seconds=0.3, draft_forwards=3, target_seconds=0.5 * (1 + 2 * policy.verify_token_cost), width=3)
+    policy.observe_timing(draft_seconds=9.0, draft_forwards=3, target_seconds=9.0, width=3)  # prefill: skipped
+    assert policy.cost == policy.settings.prior_draft_cost and policy.verify_cost == policy.settings.prior_verify_cost
+    # Verify time 0.5 s * (1 + 0.1 (width - 1)), draft steps 0.1 s: c = 0.2 and d = 0.1, measured.
+    for width in (1, 3, 9, 5, 2, 9, 1):
+        policy.observe_timing(draft_seconds=0.1 * (width - 1), draft_forwards=width - 1,
+                              target_seconds=0.5 * (1 + 0.1 * (width - 1)), width=width)
     assert policy.cost == pytest.approx(0.1 / 0.5)
-    length, rate = DraftPolicy(ngram_acceptance=0.99).ngram_length(16)
+    assert policy.verify_cost == pytest.approx(0.1)
+    length, rate = DraftPolicy(state=PolicyState(ngram_acceptance=0.99)).ngram_length(16)
     assert length == 16 and rate > 5
-    assert DraftPolicy(ngram_acceptance=0.01).ngram_length(16)[0] == 0  # not worth verifying at all
+    assert DraftPolicy(state=PolicyState(ngram_acceptance=0.01)).ngram_length(16)[0] == 0  # not worth verifying at all
 
 
 # ---------------------------------------------------------------- greedy identity with the levers on

@@ -9,7 +9,7 @@ import pytest
 import torch
 from scipy import stats
 
-from hf_specdec.verify import PAD_TOKEN, greedy_verification, speculative_sampling
+from hf_specdec.verify import PAD_TOKEN, greedy_verification, lazy_speculative_sampling, speculative_sampling
 
 
 def one_hot(indices, vocab):
@@ -113,16 +113,17 @@ def test_seeded_runs_repeat():
 # ---------------------------------------------------------------- slow loop reference
 
 
-def reference_sampling(draft_tokens, draft_probs, target_probs, uniforms, extra_sampler):
-    """Algorithm 1 of arXiv:2211.17192 written as a loop over one row, for comparison."""
+def reference_sampling(draft_tokens, draft_probs, target_probs, uniforms):
+    """Algorithm 1 of arXiv:2211.17192 written as a loop over one row, for comparison. Returns the
+    accepted tokens and the distribution the extra (recovered or bonus) token is drawn from."""
     k = len(draft_tokens)
     for i in range(k):
         x = draft_tokens[i]
         if not uniforms[i] < target_probs[i][x] / draft_probs[i][x]:
             residual = (target_probs[i] - draft_probs[i]).clamp_min(0)
             residual = residual / residual.sum() if residual.sum() > 1e-6 else target_probs[i]
-            return i, list(draft_tokens[:i]) + [extra_sampler(residual)]
-    return k, list(draft_tokens) + [extra_sampler(target_probs[k])]
+            return list(draft_tokens[:i]), residual
+    return list(draft_tokens), target_probs[k]
 
 
 def test_vectorised_rule_matches_loop_reference():
@@ -131,24 +132,54 @@ def test_vectorised_rule_matches_loop_reference():
     target = torch.softmax(torch.randn(batch, k + 1, vocab) * 2, -1)
     draft = torch.softmax(torch.randn(batch, k, vocab) * 2, -1)
     tokens = torch.multinomial(draft.reshape(-1, vocab), 1).reshape(batch, k)
-    gen = torch.Generator().manual_seed(11)
-    n, emitted = speculative_sampling(tokens, draft, target, gen)
-    # Replay the same random stream: first the [batch, k] uniforms, then one multinomial draw.
+    n, emitted = speculative_sampling(tokens, draft, target, torch.Generator().manual_seed(11))
+    # Replay the same random stream: first the [batch, k] uniforms, then one multinomial draw over
+    # the rows' extra-token distributions, which the reference builds row by row.
     replay = torch.Generator().manual_seed(11)
     uniforms = torch.rand(batch, k, generator=replay)
-    for row in range(batch):
-        expected_n, expected_tokens = reference_sampling(
-            tokens[row].tolist(), draft[row], target[row], uniforms[row], lambda dist: None
-        )
-        assert n[row].item() == expected_n
-        assert emitted[row, :expected_n].tolist() == expected_tokens[:expected_n]
-        # The extra token must lie in the support of the reference's extra distribution.
-        i = expected_n
-        extra = emitted[row, i].item()
-        if i < k:
-            residual = (target[row, i] - draft[row, i]).clamp_min(0)
-            assert residual[extra] > 0
-        assert (emitted[row, i + 1 :] == PAD_TOKEN).all()
+    references = [reference_sampling(tokens[r].tolist(), draft[r], target[r], uniforms[r]) for r in range(batch)]
+    extra = torch.multinomial(torch.stack([dist for _, dist in references]), 1, generator=replay)[:, 0]
+    assert 0 < sum(len(accepted) for accepted, _ in references) < batch * k  # both branches exercised
+    assert sum(len(accepted) == k for accepted, _ in references) > 0  # and the bonus token
+    for row, (accepted, _) in enumerate(references):
+        assert n[row].item() == len(accepted)
+        assert emitted[row].tolist() == accepted + [extra[row].item()] + [PAD_TOKEN] * (k - len(accepted))
+
+
+@pytest.mark.parametrize("point_masses", [False, True])
+@pytest.mark.parametrize("first_chunk", [1, 2, 4, 16])
+def test_lazy_rule_equals_the_eager_rule_on_the_same_random_stream(first_chunk, point_masses):
+    """The lazy rule asks for p chunk by chunk and stops once every row has rejected; on the same
+    generator state it must return exactly the eager rule's tokens, and ask only for positions
+    that some row still needed."""
+    torch.manual_seed(4)
+    batch, k, vocab = 400, 7, 5
+    target = torch.softmax(torch.randn(batch, k + 1, vocab) * 2, -1)
+    draft = torch.softmax(torch.randn(batch, k, vocab) * 2, -1)
+    tokens = torch.multinomial(draft.reshape(-1, vocab), 1).reshape(batch, k)
+    q = None if point_masses else draft
+    eager = speculative_sampling(tokens, q, target, torch.Generator().manual_seed(5))
+    asked = []
+
+    def target_probs_at(start, stop):
+        asked.append((start, stop))
+        return target[:, start:stop]
+
+    n, emitted, computed = lazy_speculative_sampling(tokens, q, target_probs_at, torch.Generator().manual_seed(5), first_chunk)
+    assert torch.equal(n, eager[0]) and torch.equal(emitted, eager[1])
+    assert [a for a, _ in asked] == [0] + [b for _, b in asked[:-1]]  # contiguous chunks, each position once
+    assert torch.equal(computed, target[:, : computed.shape[1]])
+    assert computed.shape[1] >= int(n.max()) + 1  # p reached every row's extra-token position
+    assert asked[-1][0] <= int(n.max())  # and the last chunk was needed by some row
+
+
+def test_lazy_rule_stops_asking_once_every_row_rejected():
+    p = torch.tensor([[[0.0, 1.0]] * 9])  # p never proposes token 0
+    drafts = torch.zeros(1, 8, dtype=torch.long)  # every draft is token 0: rejected at position 1
+    asked = []
+    n, emitted, _ = lazy_speculative_sampling(drafts, None, lambda a, b: asked.append((a, b)) or p[:, a:b], first_chunk=2)
+    assert n.tolist() == [0] and emitted[0, 0].item() == 1
+    assert asked == [(0, 2)]
 
 
 # ---------------------------------------------------------------- Monte Carlo laws

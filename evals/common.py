@@ -1,0 +1,176 @@
+"""What the eval scripts share: prompts, the model pair, forward timing, and the one definition of
+each figure they report (speedup over plain, pooled acceptance, geometric mean).
+
+evals/ is a folder of scripts, not a package: each script puts this folder on sys.path and imports
+from here, so a figure computed by two scripts is computed by one function.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import hf_specdec
+from hf_specdec.pair import check_same_vocabulary, load_model
+
+HERE = Path(__file__).resolve().parent
+SPEC_BENCH = HERE / "data" / "spec_bench" / "question.jsonl"
+HUMANEVAL = HERE / "data" / "humaneval" / "HumanEval.jsonl"
+# Spec-Bench's evaluation groups MT-bench's eight categories as one task, "mt_bench".
+MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
+
+
+# ---------------------------------------------------------------- prompts and models
+
+
+def check_categories(categories) -> None:
+    unknown = set(categories) - set(CATEGORIES)
+    if unknown:
+        raise SystemExit(f"unknown category {sorted(unknown)}; choose from {', '.join(CATEGORIES)}")
+
+
+def load_prompts(tokenizer, categories, per_category: int | None) -> list[dict]:
+    """Chat-formatted prompts, `per_category` of each category (None: all), evenly spaced through the
+    file so that a small preset still samples the whole category."""
+    from datasets import load_dataset
+
+    check_categories(categories)
+    pools = {c: [] for c in categories}
+    for row in load_dataset("json", data_files=str(SPEC_BENCH), split="train"):
+        category = "mt_bench" if row["category"] in MT_BENCH else row["category"]
+        if category in pools:
+            pools[category].append((str(row["question_id"]), row["turns"][0]))
+    if "humaneval" in pools:
+        for row in load_dataset("json", data_files=str(HUMANEVAL), split="train"):
+            text = f"Complete the following Python function.\n\n```python\n{row['prompt']}```"
+            pools["humaneval"].append((row["task_id"], text))
+    prompts = []
+    for category in categories:
+        pool = pools[category]
+        n = len(pool) if per_category is None else min(per_category, len(pool))
+        for i in range(n):
+            prompt_id, text = pool[(i * len(pool)) // n]
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
+            )["input_ids"]
+            prompts.append(dict(id=prompt_id, category=category, input_ids=ids[0].tolist()))
+    return prompts
+
+
+def load_pair(target_name: str, draft_name: str, device, device_map=None):
+    """(target, draft, tokenizer): the named pair, or the tiny offline pair of `tiny.py` for "tiny"."""
+    if target_name == "tiny" or draft_name == "tiny":
+        from tiny import tiny_pair
+
+        target, draft, tokenizer = tiny_pair()
+        return target.to(device), draft.to(device), tokenizer
+    target, tokenizer = load_model(target_name, device=device, device_map=device_map)
+    draft, draft_tokenizer = load_model(draft_name, device=target.device)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    return target, draft, tokenizer
+
+
+def drafts_by_precision(draft, bits: int) -> dict:
+    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (weight-only quantized to `bits`)}."""
+    if bits == 16:
+        return {"bf16": draft, "hf": draft}
+    from hf_specdec.quantize import quantize_weights
+
+    return {"bf16": draft, "hf": quantize_weights(copy.deepcopy(draft), bits)}
+
+
+# ---------------------------------------------------------------- timing
+
+
+class ForwardTimer:
+    """Counts and times every forward of a model (public nn.Module hooks; nothing patched)."""
+
+    def __init__(self, *models: torch.nn.Module):
+        self.durations: list[float] = []
+        self._start = 0.0
+        for model in dict.fromkeys(models):  # the same model once
+            model.register_forward_pre_hook(self._pre)
+            model.register_forward_hook(self._post)
+
+    def _pre(self, module, args):
+        self._start = time.perf_counter()
+
+    def _post(self, module, args, output):
+        self.durations.append(time.perf_counter() - self._start)
+
+    def take(self) -> list[float]:
+        out, self.durations = self.durations, []
+        return out
+
+
+def step_time(durations: list[float]) -> float | None:
+    """Median forward time excluding the first (the prefill, which costs more than a decode step)."""
+    return statistics.median(durations[1:]) if len(durations) > 1 else None
+
+
+# ---------------------------------------------------------------- figures
+
+
+def speedup_over_plain(new_tokens: int, seconds: float, plain_new_tokens: int, plain_seconds: float) -> float:
+    """(tokens / s of a method) / (tokens / s of plain decoding), on the same prompt and mode.
+
+    A throughput ratio, not a time ratio: under sampling the two outputs may differ in length (or a
+    batch row may stop early), so plain seconds / method seconds would credit a method for merely
+    stopping sooner. Under greedy the outputs match and the two definitions agree.
+    """
+    return (new_tokens / seconds) / (plain_new_tokens / plain_seconds)
+
+
+COUNTS = ("rounds", "drafted", "accepted", "emitted")
+PER_POSITION = ("drafted_per_position", "reached_per_position", "accepted_per_position")
+
+
+def pooled_stats(rows: list[dict]) -> hf_specdec.AcceptanceStats:
+    """hf_specdec.AcceptanceStats summed over records, so that every acceptance figure of every
+    script (acceptance_rate = accepted / drafted, token_acceptance = accepted / reached, tokens per
+    round, per-position rates) is the library's own definition, pooled over prompts (a per-prompt
+    mean would weigh a 3-token answer like a 64-token one).
+
+    A record that logs its rounds (`round_log`: (drafted, accepted, emitted) per round, hf_specdec in
+    run_eval.py) is replayed round by round; otherwise the counters it carries are added (the
+    analyses' records; transformers' assisted methods, which carry drafted and accepted only).
+    """
+    stats = hf_specdec.AcceptanceStats()
+    for r in rows:
+        if "round_log" in r:
+            for drafted, accepted, emitted in r["round_log"]:
+                stats.rounds += 1
+                stats.record(drafted, accepted, emitted)
+            continue
+        for name in COUNTS:
+            setattr(stats, name, getattr(stats, name) + r.get(name, 0))
+        for name in PER_POSITION:
+            setattr(stats, name, _add_lists(getattr(stats, name), r.get(name, [])))
+    return stats
+
+
+def _add_lists(a: list[int], b: list[int]) -> list[int]:
+    n = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (n - len(a)), b + [0] * (n - len(b)))]
+
+
+def round_log(rounds: list[hf_specdec.RoundRecord]) -> list[tuple[int, int, int]]:
+    """What a record keeps of each round, (drafted, accepted, emitted): enough for `pooled_stats`."""
+    return [(len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)) for r in rounds]
+
+
+def geometric_mean(values) -> float | None:
+    """Over the positive values given (a missing or failed category is skipped, not counted as 0)."""
+    values = [v for v in values if v and v > 0]
+    return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def median_or_none(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None

@@ -1,0 +1,79 @@
+"""Where a speculative greedy output leaves plain greedy, and by how small a margin.
+
+Greedy speculative decoding emits exactly plain greedy's tokens in exact arithmetic. In bf16 the
+verification forward (k + 1 tokens at once) and plain decoding (one token per forward) may round a
+logit differently; when plain decoding's top two scores are tied or nearly so, that flips the argmax
+and the outputs part, for every method that verifies blocks (transformers' own included), without
+the acceptance rule being involved. Reporting the first differing token together with plain
+decoding's top-two margin there tells the two cases apart: a margin of 0 (an exact tie) or within
+bf16 rounding is arithmetic, a large margin would be a bug.
+
+Pure torch, no transformers import: used by the `hf-specdec` command and `evals/greedy_divergence.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+def first_divergence(reference: torch.Tensor, other: torch.Tensor) -> int | None:
+    """Index of the first generated token where two outputs differ, or None when they are equal.
+
+    reference: (n,) token ids (plain greedy's generated tokens); other: (m,) token ids. When one is a
+    proper prefix of the other, they differ at min(n, m): one stopped where the other went on.
+    """
+    n = min(len(reference), len(other))
+    differs = (reference[:n] != other[:n]).nonzero()
+    if len(differs):
+        return int(differs[0])
+    return None if len(reference) == len(other) else n
+
+
+def top_two_margin(scores: torch.Tensor) -> float:
+    """Largest minus second-largest score at one position; 0.0 is an exact tie.
+
+    scores: (vocab,) the scores greedy took its argmax over (logits, after any processors). Computed
+    in float32 so that a bf16 tie reads as exactly 0.
+    """
+    top2 = scores.float().topk(2).values
+    return float(top2[0] - top2[1])
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first generated token where an output leaves plain greedy, and plain's margin there."""
+
+    position: int  # index among the generated tokens
+    margin: float | None  # plain decoding's top-two score margin at `position`; None when unknown
+
+    @property
+    def exact_tie(self) -> bool:
+        """Plain decoding's top two scores are equal: either token is a correct greedy choice."""
+        return self.margin == 0.0
+
+    def describe(self) -> str:
+        text = f"first difference at generated token {self.position}"
+        if self.margin is None:
+            return text
+        text += f"; plain decoding's top-two logit margin there: {self.margin:.4f}"
+        return text + (" (an exact tie: either token is a correct greedy choice)" if self.exact_tie else "")
+
+
+def greedy_divergence(
+    reference: torch.Tensor, other: torch.Tensor, reference_scores: Sequence[torch.Tensor]
+) -> Divergence | None:
+    """Divergence of `other` from `reference`, or None when they are equal.
+
+    reference: (n,) plain greedy's generated token ids; other: (m,) another method's; reference_scores:
+    n tensors of shape (vocab,), plain greedy's scores at each generated token (`output_scores=True`,
+    one row of each entry). The margin is None where the scores stop short of the divergence (the
+    other output ran past plain's last token).
+    """
+    position = first_divergence(reference, other)
+    if position is None:
+        return None
+    margin = top_two_margin(reference_scores[position]) if position < len(reference_scores) else None
+    return Divergence(position, margin)

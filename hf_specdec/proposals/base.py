@@ -1,0 +1,89 @@
+"""The proposal a source makes each round, what a source is asked, and the protocol every source follows."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, replace
+from typing import Callable
+
+import torch
+from transformers import Cache
+
+from ..sampling import Prefixes
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Draft tokens for every active row, and what the acceptance rule and the cost model need of them.
+
+    A chain today: node j of a row follows node j - 1, node 0 follows the row's last real token. A
+    tree of candidates fits the same type: `parents` then gives each node's parent node (-1: the
+    last real token), and `tokens`, `draft_probs` and `confidences` are indexed by node. The
+    verifying stage refuses trees until tree verification exists.
+    """
+
+    tokens: torch.Tensor  # [rows, k] int64: the draft tokens (k may be 0: a plain step)
+    # [rows, k, vocab]: q, the distribution each token was drawn from. None: point masses (n-gram
+    # lookups, greedy drafts), verified as q = one-hot(token).
+    draft_probs: torch.Tensor | None
+    source: str  # "draft", "ngram", "none", or a foreign generator's class name
+    confidences: list[list[float]] | None = None  # per row, per token: the draft's probability of it (cost model)
+    forwards: int = 0  # draft forward passes spent on this proposal
+    parents: torch.Tensor | None = None  # [rows, k] parent node of each node (trees); None: a chain
+    seconds: float = 0.0  # wall time spent proposing (set by the loop)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.tokens.shape[1]
+
+    @classmethod
+    def nothing(cls, rows: int, device: torch.device) -> "Proposal":
+        """No draft at all: the round is a plain target step."""
+        return cls(torch.empty((rows, 0), dtype=torch.long, device=device), None, source="none")
+
+    def first(self, n: int) -> "Proposal":
+        """The first n tokens of a chain."""
+        return replace(
+            self,
+            tokens=self.tokens[:, :n],
+            draft_probs=None if self.draft_probs is None else self.draft_probs[:, :n],
+            confidences=None if self.confidences is None else [c[:n] for c in self.confidences],
+        )
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    """What a source is given each round."""
+
+    ids: torch.Tensor  # [rows, seq]: the work sequence (may contain masked holes in a batch)
+    mask: torch.Tensor | None  # [rows, seq]: 1 for real tokens, 0 for padding and holes; None if none
+    prefixes: Prefixes  # each row's real sequence, for logits processors and lookups
+    max_tokens: int  # propose at most this many tokens per row
+    # After each drafted token, given per row the draft's probability of it: draft another? (the
+    # cost model's early stop). None: draft max_tokens.
+    keep_drafting: Callable[[list[float]], bool] | None = None
+
+
+class Drafter(ABC):
+    """A source of draft tokens for the speculative loop.
+
+    `cache` is a KV cache that must stay in step with the target's: the loop rolls it back, selects
+    its rows and compacts its columns together with the target's (in `hf_specdec.cache`). Sources
+    without a model keep it None.
+    """
+
+    source: str = "draft"
+    cache: Cache | None = None
+
+    def start(self, batch_size: int) -> None:
+        """A new generate call begins (fresh cache and per-call state)."""
+
+    @abstractmethod
+    def propose(self, request: DraftRequest) -> Proposal:
+        """Up to request.max_tokens draft tokens per row."""
+
+    def update(self, ids: torch.Tensor, target_scores: torch.Tensor, num_accepted: int) -> None:
+        """After verification: the work sequence `ids` [rows, seq] now ends with the accepted tokens
+        and each row's extra token; `target_scores` [rows, n, vocab] are the target's processed
+        scores at the verified positions; `num_accepted` is the most any row accepted. Sources that
+        learn from the outcome (transformers' `update_candidate_strategy`) do it here."""

@@ -1,0 +1,178 @@
+"""Draft tokens from a small draft model with its own KV cache."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LogitsProcessorList, PreTrainedModel, TemperatureLogitsWarper
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import (
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitNormalization,
+    MinPLogitsWarper,
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
+
+from ..cache import extend, new_cache, rollback
+from ..policy import DRAFT
+from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
+from .base import Drafter, DraftRequest, Proposal
+
+# Warpers that must see the temperature-scaled scores (transformers applies temperature first).
+_AFTER_TEMPERATURE = (
+    TopHLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    MinPLogitsWarper,
+    TypicalLogitsWarper,
+    EpsilonLogitsWarper,
+    EtaLogitsWarper,
+    LogitNormalization,
+)
+
+
+def with_draft_temperature(processor: LogitsProcessorList, temperature: float) -> LogitsProcessorList:
+    """The same pipeline with its temperature replaced (or inserted where transformers puts it).
+
+    Used for a draft that should be hotter or colder than the target; exactness is unaffected
+    because the draft token is sampled from, and verified against, this very q.
+    """
+    warper = TemperatureLogitsWarper(temperature)
+    out = LogitsProcessorList(p for p in processor if not isinstance(p, TemperatureLogitsWarper))
+    position = next((i for i, p in enumerate(out) if isinstance(p, _AFTER_TEMPERATURE)), len(out))
+    out.insert(position, warper)
+    return out
+
+
+class VocabularySubsetHead:
+    """The draft's output layer restricted to a token subset: logits outside it are -inf, so q is
+    zero there and such tokens are never proposed. Exact for any subset (q is still the distribution
+    the draft token was drawn from); only acceptance can suffer, when the target wants a token
+    outside the subset. It saves the matrix product over the rest of the vocabulary: for a 0.5B draft
+    with a 152k vocabulary, the output layer is over a quarter of the weights read per step.
+    """
+
+    def __init__(self, output_embeddings: torch.nn.Module, token_ids: torch.Tensor, vocab: int):
+        self.token_ids = token_ids.unique()  # sorted
+        self.weight = output_embeddings.weight[self.token_ids].detach().contiguous()  # [subset, hidden]
+        bias = output_embeddings.bias  # nn.Linear and WeightOnlyLinear both hold one (None when absent)
+        self.bias = None if bias is None else bias[self.token_ids].detach()
+        self.vocab = vocab
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
+        logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        full = logits.new_full((*logits.shape[:-1], self.vocab), -float("inf"))
+        return full.index_copy_(-1, self.token_ids, logits)
+
+
+class DraftModelDrafter(Drafter):
+    """Draft tokens one draft forward each, from q = softmax(processors(prefix, draft logits)): the
+    same `RowProcessors` path as the target's p, with each row's real prefix plus its drafts so far.
+
+    Sampling: each token is drawn from q, and q is returned (`Proposal.draft_probs`). Greedy: each
+    token is the argmax, a point mass (`draft_probs=None`). The draft's probability of each token
+    (`Proposal.confidences`) is computed only when the cost model asks for it (`keep_drafting`).
+    """
+
+    source = DRAFT
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        logits_processor: LogitsProcessorList | None,
+        do_sample: bool,
+        generator: torch.Generator | None = None,
+        vocabulary: torch.Tensor | None = None,  # [subset] token ids the draft may propose; None: all
+    ):
+        self.model = model
+        self.logits_processor = logits_processor
+        self.do_sample = do_sample
+        self.generator = generator
+        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.head = None if vocabulary is None else VocabularySubsetHead(model.get_output_embeddings(), vocabulary, self.vocab)
+        self.start(1)
+
+    def start(self, batch_size: int) -> None:
+        self.cache = new_cache(self.model)
+        self.processors = RowProcessors(self.logits_processor, batch_size)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        ids, mask, width = request.ids, request.mask, request.ids.shape[1]
+        tokens, probs, confidences = [], [], []
+        for _ in range(request.max_tokens):
+            # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
+            # token(s) (several after an all-accepted, n-gram or plain round), then one token.
+            logits = extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]  # [rows, vocab]
+            token, q, confidence = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
+            tokens.append(token)
+            probs.append(q)
+            ids = torch.cat([ids, token[:, None]], dim=1)
+            mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
+            if confidence is not None:
+                confidences.append(confidence)
+                if len(tokens) < request.max_tokens and not request.keep_drafting(confidence):
+                    break
+        rows = ids.shape[0]
+        return Proposal(
+            tokens=ids[:, width:],  # [rows, k]
+            draft_probs=torch.stack(probs, dim=1) if self.do_sample and probs else None,  # [rows, k, vocab]
+            source=self.source,
+            confidences=[list(c) for c in zip(*confidences)] if confidences else None,
+            forwards=len(tokens),
+        ) if tokens else Proposal.nothing(rows, ids.device)
+
+    def _next(
+        self,
+        prefixes: Prefixes,
+        drafts: torch.Tensor,  # [rows, j]: drafted so far this round
+        logits: torch.Tensor,  # [rows, vocab]: raw draft logits
+        want_confidence: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[float] | None]:  # token [rows], q [rows, vocab], confidence
+        scores = self.processors.scores(prefixes, drafts, logits)  # [rows, vocab]
+        if self.do_sample:
+            q = logits_to_probs(scores)
+            token = sample(q, self.generator)
+        else:
+            q, token = None, scores.argmax(dim=-1)
+        if not want_confidence:
+            return token, q, None
+        q_token = (q if q is not None else logits_to_probs(scores)).gather(-1, token[:, None])[:, 0]  # [rows]
+        return token, q, q_token.tolist()
+
+
+class DraftCandidateGenerator(CandidateGenerator):
+    """transformers' `CandidateGenerator` contract over `DraftModelDrafter`, one unpadded batch at a time.
+
+    `get_candidates(input_ids)` returns `(candidate_ids, candidate_logits)`:
+      * candidate_ids:    [batch, seq + k] the input followed by k draft tokens;
+      * candidate_logits: [batch, k, vocab] log q, the *processed* draft distribution each draft token
+                          was drawn from (softmax gives q back), or None for greedy drafts.
+    `update_candidate_strategy(input_ids, scores, num_matches)` rolls the draft cache back to the
+    accepted prefix, as transformers' assisted loop expects of its generators.
+    """
+
+    def __init__(
+        self,
+        draft_model: PreTrainedModel,
+        logits_processor: LogitsProcessorList | None,
+        num_draft_tokens: int,
+        do_sample: bool,
+        generator: torch.Generator | None = None,
+    ):
+        self.drafter = DraftModelDrafter(draft_model, logits_processor, do_sample, generator)
+        self.num_draft_tokens = num_draft_tokens
+
+    def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        # Everything the cache holds before the last input token is an accepted prefix of input_ids.
+        rollback([self.drafter.cache], input_ids.shape[1] - 1)
+        rows = list(range(input_ids.shape[0]))
+        request = DraftRequest(input_ids, None, Prefixes.from_tensor(input_ids, rows), self.num_draft_tokens)
+        proposal = self.drafter.propose(request)
+        logits = None if proposal.draft_probs is None else proposal.draft_probs.log()
+        return torch.cat([input_ids, proposal.tokens], dim=1), logits
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        rollback([self.drafter.cache], input_ids.shape[1] - 1)

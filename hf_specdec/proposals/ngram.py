@@ -1,0 +1,90 @@
+"""N-gram lookup drafts: continuations copied from earlier in the sequence (prompt or generated text).
+
+When the last few tokens occurred before, the tokens that followed them then are a free guess for
+what follows now (Saxena 2023, "prompt lookup decoding"; transformers' `PromptLookupCandidateGenerator`).
+Such a proposal has no distribution behind it: its q is a point mass on the proposed token. The
+rejection rule stays exact with a point mass: x is accepted with probability min(1, p(x) / 1) = p(x),
+and on rejection the next token is drawn from normalize(max(0, p - q)), which is p with x removed,
+renormalised (`hf_specdec.verify`, `draft_probs=None`; greedy acceptance is unchanged).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..config import SpeculativeConfig
+from ..policy import NGRAM
+from .base import Drafter, DraftRequest, Proposal
+
+_DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator
+
+
+def ngram_lookup(
+    sequence: torch.Tensor,  # [seq]: one row's real tokens (prompt + generated)
+    max_ngram: int,
+    min_ngram: int,
+    max_tokens: int,
+) -> torch.Tensor:  # [<= max_tokens]: the proposed continuation (empty when nothing matches)
+    """The continuation of the most recent earlier occurrence of the sequence's last n tokens, trying
+    n = max_ngram down to min_ngram."""
+    length = sequence.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        suffix = sequence[length - n :]
+        windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]: every earlier n-gram
+        starts = (windows == suffix).all(dim=1).nonzero().flatten()
+        if starts.numel():  # the most recent occurrence; it always has a continuation (it ends before the last token)
+            follow = int(starts[-1]) + n
+            return sequence[follow : follow + max_tokens]
+    return sequence.new_empty(0)
+
+
+class NgramDrafter(Drafter):
+    """`ngram_lookup` over the row's real sequence, as point-mass proposals. One row only."""
+
+    source = NGRAM
+
+    def __init__(
+        self,
+        max_ngram: int = _DEFAULTS.ngram_max_size,
+        min_ngram: int = _DEFAULTS.ngram_min_size,
+        max_tokens: int = _DEFAULTS.ngram_max_tokens,
+    ):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        if len(request.prefixes.rows) != 1:
+            raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
+        budget = min(self.max_tokens, request.max_tokens)
+        tokens = ngram_lookup(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
+        return Proposal(tokens[None], draft_probs=None, source=self.source)  # [1, L]
+
+
+class NgramCandidateGenerator(CandidateGenerator):
+    """transformers' `CandidateGenerator` contract over `ngram_lookup`, one row at a time.
+
+    `get_candidates(input_ids)` returns `(input_ids + proposal, None)`: no logits, so the decode loop
+    treats each proposal as a point mass. Usable on its own via
+    `speculative_generate(..., candidate_generator=NgramCandidateGenerator())`.
+    """
+
+    def __init__(
+        self,
+        max_ngram: int = _DEFAULTS.ngram_max_size,
+        min_ngram: int = _DEFAULTS.ngram_min_size,
+        max_tokens: int = _DEFAULTS.ngram_max_tokens,
+    ):
+        self.drafter = NgramDrafter(max_ngram, min_ngram, max_tokens)
+
+    def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, None]:
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"NgramCandidateGenerator proposes for one row at a time, got {input_ids.shape[0]}")
+        proposal = ngram_lookup(input_ids[0], self.drafter.max_ngram, self.drafter.min_ngram, self.drafter.max_tokens)
+        return torch.cat([input_ids, proposal[None]], dim=1), None
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        """Nothing to learn: lookups depend on the sequence only."""

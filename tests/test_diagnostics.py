@@ -1,0 +1,44 @@
+"""hf_specdec.diagnostics on hand-built tensors: where two greedy outputs part, and the top-two margin."""
+
+from __future__ import annotations
+
+import torch
+
+from hf_specdec.diagnostics import Divergence, first_divergence, greedy_divergence, top_two_margin
+
+
+def test_first_divergence():
+    a = torch.tensor([5, 6, 7, 8])
+    assert first_divergence(a, a.clone()) is None
+    assert first_divergence(a, torch.tensor([5, 6, 9, 8])) == 2
+    assert first_divergence(a, torch.tensor([4, 6, 7, 8])) == 0
+    # One output a proper prefix of the other: they part where the shorter one stopped.
+    assert first_divergence(a, a[:3]) == 3
+    assert first_divergence(a[:2], a) == 2
+    assert first_divergence(torch.tensor([], dtype=torch.long), torch.tensor([], dtype=torch.long)) is None
+
+
+def test_top_two_margin_and_an_exact_tie():
+    assert top_two_margin(torch.tensor([1.0, 3.0, 2.5, -4.0])) == 0.5
+    assert top_two_margin(torch.tensor([2.0, 7.0, 7.0])) == 0.0  # tied top two, whatever else
+    # Distinct in float32, equal once rounded to bf16 (8 bits of mantissa): the case greedy meets.
+    scores = torch.tensor([20.0, 20.03, -1.0]).to(torch.bfloat16)
+    assert top_two_margin(scores) == 0.0
+
+
+def test_greedy_divergence_reports_position_and_plain_margin_there():
+    reference = torch.tensor([3, 1, 2])
+    scores = [torch.tensor([0.0, 0.0, 1.0, 4.0]),  # (vocab,) at generated token 0: argmax 3
+              torch.tensor([0.0, 2.0, 2.0, 0.0]),  # token 1: tokens 1 and 2 tied
+              torch.tensor([0.0, 0.0, 5.0, 1.0])]
+    assert greedy_divergence(reference, reference.clone(), scores) is None
+    tie = greedy_divergence(reference, torch.tensor([3, 2, 2]), scores)
+    assert tie == Divergence(position=1, margin=0.0) and tie.exact_tie
+    assert "generated token 1" in tie.describe() and "exact tie" in tie.describe()
+    clear = greedy_divergence(reference, torch.tensor([3, 1, 3]), scores)
+    assert clear == Divergence(position=2, margin=4.0) and not clear.exact_tie
+    assert "4.0000" in clear.describe() and "tie" not in clear.describe()
+    # The other output runs past plain's last token: no score there, so no margin.
+    longer = greedy_divergence(reference, torch.tensor([3, 1, 2, 0]), scores)
+    assert longer == Divergence(position=3, margin=None)
+    assert longer.describe() == "first difference at generated token 3"

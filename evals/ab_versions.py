@@ -17,15 +17,11 @@ not a single cell.
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import statistics
-import subprocess
 import sys
-import tarfile
 import tempfile
 import time
-from io import BytesIO
 from pathlib import Path
 
 import torch
@@ -34,24 +30,11 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import CATEGORIES, drafts_by_precision, geometric_mean, load_pair, load_prompts  # noqa: E402
+from common import CATEGORIES, drafts_by_precision, geometric_mean, import_baseline, load_pair, load_prompts  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
 MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 PRESETS = {"quick": (1, 64), "standard": (3, 64)}  # prompts per category, new tokens
-
-
-def import_baseline(revision: str, folder: Path):
-    """hf_specdec as it was at `revision`, importable as `hf_specdec_baseline` (relative imports
-    inside the package keep working under the new name)."""
-    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
-                          cwd=HERE).stdout.strip()
-    archive = subprocess.run(["git", "archive", revision, "hf_specdec"], capture_output=True, check=True, cwd=root).stdout
-    with tarfile.open(fileobj=BytesIO(archive)) as tar:
-        tar.extractall(folder, filter="data")
-    (folder / "hf_specdec").rename(folder / "hf_specdec_baseline")
-    sys.path.insert(0, str(folder))
-    return importlib.import_module("hf_specdec_baseline")
 
 
 def timed(target, ids, **kwargs) -> tuple[torch.Tensor, float]:

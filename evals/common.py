@@ -1,5 +1,6 @@
 """What the eval scripts share: prompts, the model pair, forward timing, and the one definition of
-each figure they report (speedup over plain, pooled acceptance, geometric mean).
+each figure they report (speedup over plain, pooled acceptance, geometric mean), and the library as
+it was at an earlier git revision, for old-against-new runs.
 
 evals/ is a folder of scripts, not a package: each script puts this folder on sys.path and imports
 from here, so a figure computed by two scripts is computed by one function.
@@ -8,9 +9,14 @@ from here, so a figure computed by two scripts is computed by one function.
 from __future__ import annotations
 
 import copy
+import importlib
 import math
 import statistics
+import subprocess
+import sys
+import tarfile
 import time
+from io import BytesIO
 from pathlib import Path
 
 import torch
@@ -174,3 +180,16 @@ def geometric_mean(values) -> float | None:
 def median_or_none(values) -> float | None:
     values = [v for v in values if v is not None]
     return statistics.median(values) if values else None
+
+
+def import_baseline(revision: str, folder: Path):
+    """hf_specdec as it was at `revision`, importable as `hf_specdec_baseline` (relative imports
+    inside the package keep working under the new name)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True,
+                          cwd=Path(__file__).resolve().parent).stdout.strip()
+    archive = subprocess.run(["git", "archive", revision, "hf_specdec"], capture_output=True, check=True, cwd=root).stdout
+    with tarfile.open(fileobj=BytesIO(archive)) as tar:
+        tar.extractall(folder, filter="data")
+    (folder / "hf_specdec").rename(folder / "hf_specdec_baseline")
+    sys.path.insert(0, str(folder))
+    return importlib.import_module("hf_specdec_baseline")

@@ -3,6 +3,7 @@
     python evals/overhead.py                                   # vocab 151936, k 5, 200 tokens, 3 repeats
     python evals/overhead.py --repeats 2 --out runs/overhead   # the figure quoted in BENCH.md
     python evals/overhead.py --profile                         # + where hf_specdec's own time goes
+    python evals/overhead.py --baseline HEAD~1                 # + the library as it was at a git revision
     python evals/overhead.py --vocab 256 --max-new-tokens 20 --repeats 1   # seconds (the test)
 
 On a GPU a 1.5B forward takes ~15 ms, so the time a speculative loop spends outside model forwards
@@ -55,6 +56,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 
 import hf_specdec  # noqa: E402
+
+LIBRARIES = {"hf_specdec": hf_specdec}  # plus "baseline" (hf_specdec at --baseline REV) when asked for
 
 QWEN_VOCAB = 151936
 MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
@@ -138,8 +141,8 @@ def generate_kwargs(method: str, draft, mode: str, max_new_tokens: int, k: int) 
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=PAD_ID, **MODES[mode])
     if method == "transformers":
         kwargs["assistant_model"] = draft
-    elif method == "hf_specdec":
-        kwargs.update(custom_generate=hf_specdec.speculative_generate, assistant=draft, num_draft_tokens=k,
+    elif method in LIBRARIES:
+        kwargs.update(custom_generate=LIBRARIES[method].speculative_generate, assistant=draft, num_draft_tokens=k,
                       adaptive=False, ngram=False, return_dict_in_generate=True)
     elif method != "plain":
         raise ValueError(method)
@@ -164,7 +167,7 @@ def run_once(method, target, draft, timers, ids, mode, max_new_tokens, k, seed, 
     finally:
         if profiler is not None:
             profiler.disable()
-    seqs = out.sequences if method == "hf_specdec" else out
+    seqs = out.sequences if method in LIBRARIES else out
     target_d, draft_d = timers["target"].take(), timers["draft"].take()
     forward = sum(target_d) + sum(draft_d)
     rounds = len(target_d)
@@ -177,7 +180,7 @@ def run_once(method, target, draft, timers, ids, mode, max_new_tokens, k, seed, 
         overhead_ms_per_token=1e3 * (wall - forward) / max(1, new_tokens),
         tokens_per_round=new_tokens / max(1, rounds),
     )
-    if method == "hf_specdec":
+    if method in LIBRARIES:
         record["acceptance_rate"] = out.acceptance.acceptance_rate
     return record, seqs
 
@@ -299,7 +302,7 @@ def markdown(result: dict) -> str:
     ]
     for mode, entry in result["modes"].items():
         base = entry["methods"]["transformers"]["overhead_ms_per_round"]
-        for method in METHODS:
+        for method in entry["methods"]:
             m = entry["methods"][method]
             label = "plain (per step)" if method == "plain" else method
             rel = m["overhead_ms_per_round"] / base if base else float("nan")
@@ -325,8 +328,17 @@ def markdown(result: dict) -> str:
 
 def main(vocab=QWEN_VOCAB, k=5, max_new_tokens=200, repeats=3, prompt_tokens=64, modes=tuple(MODES),
          out="runs/overhead", device="cpu", dtype="float32", threads=0, hidden=64, layers=2, noise=0.01,
-         init=0.3, seed=0, profile=False) -> dict:
+         init=0.3, seed=0, profile=False, baseline=None) -> dict:
     from tqdm.auto import tqdm
+
+    methods_run = METHODS
+    if baseline:  # the library as it was at a git revision, interleaved with the others
+        import tempfile
+
+        from common import import_baseline
+
+        LIBRARIES["baseline"] = import_baseline(baseline, Path(tempfile.mkdtemp(prefix="hf_specdec_baseline-")))
+        methods_run = METHODS + ("baseline",)
 
     if threads:
         torch.set_num_threads(threads)
@@ -346,25 +358,25 @@ def main(vocab=QWEN_VOCAB, k=5, max_new_tokens=200, repeats=3, prompt_tokens=64,
         layers=layers, noise=noise, initializer_range=init, seed=seed, architecture="qwen2",
         target_params=sum(p.numel() for p in target.parameters()), mode_kwargs={m: MODES[m] for m in modes},
         torch=torch.__version__, transformers=transformers.__version__, hf_specdec=hf_specdec.__version__,
-        python=platform.python_version(), machine=platform.machine(), target_ratio=TARGET_RATIO,
+        python=platform.python_version(), machine=platform.machine(), target_ratio=TARGET_RATIO, baseline=baseline,
     ), modes={})
 
-    bar = tqdm(total=len(modes) * len(METHODS) * (repeats + 1), desc="overhead", file=sys.stderr)
+    bar = tqdm(total=len(modes) * len(methods_run) * (repeats + 1), desc="overhead", file=sys.stderr)
     for mode in modes:
-        runs = {m: [] for m in METHODS}
-        outputs = {m: [] for m in METHODS}
-        for method in METHODS:  # warm-up: first calls pay one-off allocations and lazy imports
+        runs = {m: [] for m in methods_run}
+        outputs = {m: [] for m in methods_run}
+        for method in methods_run:  # warm-up: first calls pay one-off allocations and lazy imports
             bar.set_postfix(mode=mode, method=method, phase="warm-up")
             run_once(method, target, draft, timers, ids, mode, min(max_new_tokens, 16), k, seed)
             bar.update()
         for repeat in range(repeats):
-            for method in METHODS:  # interleaved: A B C A B C ...
+            for method in methods_run:  # interleaved: A B C A B C ...
                 bar.set_postfix(mode=mode, method=method, repeat=repeat)
                 record, seqs = run_once(method, target, draft, timers, ids, mode, max_new_tokens, k, seed + repeat)
                 runs[method].append(record)
                 outputs[method].append(seqs.cpu())
                 bar.update()
-        methods = {m: summarise_method(m, runs[m]) for m in METHODS}
+        methods = {m: summarise_method(m, runs[m]) for m in methods_run}
         hf, tr = methods["hf_specdec"]["overhead_ms_per_round"], methods["transformers"]["overhead_ms_per_round"]
         ratio = hf / tr if tr > 0 else None
         entry = dict(methods=methods, ratio_hf_specdec_over_transformers=ratio,
@@ -413,10 +425,12 @@ parser.add_argument("--noise", type=float, default=0.01, help="draft = target + 
 parser.add_argument("--init", type=float, default=0.3, help="initializer_range (0.3: peaked distributions)")
 parser.add_argument("--seed", type=int, default=0)
 parser.add_argument("--profile", action="store_true", help="also profile hf_specdec outside forwards (cProfile)")
+parser.add_argument("--baseline", default=None, metavar="REV",
+                    help="also run hf_specdec as it was at this git revision (method 'baseline')")
 
 if __name__ == "__main__":
     args = parser.parse_args()
     main(vocab=args.vocab, k=args.k, max_new_tokens=args.max_new_tokens, repeats=args.repeats,
          prompt_tokens=args.prompt_tokens, modes=tuple(args.modes), out=args.out, device=args.device,
          dtype=args.dtype, threads=args.threads, hidden=args.hidden, layers=args.layers, noise=args.noise,
-         init=args.init, seed=args.seed, profile=args.profile)
+         init=args.init, seed=args.seed, profile=args.profile, baseline=args.baseline)

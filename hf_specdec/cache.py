@@ -106,9 +106,8 @@ def extend(
     new_ids = input_ids[:, past:]  # [batch, seq - past]
     if new_ids.shape[1] < num_logits:
         raise RuntimeError(f"asked for {num_logits} logits but only {new_ids.shape[1]} tokens are new")
-    if attention_mask is None:
-        position_ids = torch.arange(past, input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-    else:
+    position_ids = None  # without padding the model numbers the new tokens from the cache length itself
+    if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
     if head is not None:

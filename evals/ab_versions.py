@@ -30,10 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import CATEGORIES, drafts_by_precision, geometric_mean, import_baseline, load_pair, load_prompts  # noqa: E402
+from common import CATEGORIES, MODES, drafts_by_precision, geometric_mean, import_baseline, load_pair, load_prompts  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
-MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 PRESETS = {"quick": (1, 64), "standard": (3, 64)}  # prompts per category, new tokens
 
 

@@ -29,6 +29,8 @@ SPEC_BENCH = HERE / "data" / "spec_bench" / "question.jsonl"
 HUMANEVAL = HERE / "data" / "humaneval" / "HumanEval.jsonl"
 # Spec-Bench's evaluation groups MT-bench's eight categories as one task, "mt_bench".
 MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
+# The two decoding modes every eval script compares: greedy, and sampling as a chat model is used.
+MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag", "humaneval")
 
 
@@ -95,20 +97,27 @@ def drafts_by_precision(draft, bits: int) -> dict:
 
 
 class ForwardTimer:
-    """Counts and times every forward of a model (public nn.Module hooks; nothing patched)."""
+    """Counts and times every forward of the given models (public nn.Module hooks; nothing patched).
+    On CUDA the hooks synchronise, so a forward's time is its kernels' time, not its launch time."""
 
     def __init__(self, *models: torch.nn.Module):
         self.durations: list[float] = []
         self._start = 0.0
+        self.cuda = any(m.device.type == "cuda" for m in models)
         for model in dict.fromkeys(models):  # the same model once
             model.register_forward_pre_hook(self._pre)
             model.register_forward_hook(self._post)
 
+    def _now(self) -> float:
+        if self.cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
     def _pre(self, module, args):
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def _post(self, module, args, output):
-        self.durations.append(time.perf_counter() - self._start)
+        self.durations.append(self._now() - self._start)
 
     def take(self) -> list[float]:
         out, self.durations = self.durations, []

@@ -21,7 +21,7 @@ after one warm-up call each, it times three `generate` calls on the same random 
   `assistant_confidence_threshold=0`, set on the draft's generation_config);
 * hf_specdec with a fixed k and draft-model proposals only (`adaptive=False, ngram=False`).
 
-Public forward hooks on both models (as `run_eval.py`'s ForwardTimer) time every forward;
+Public forward hooks on both models (`evals/common.py`'s ForwardTimer) time every forward;
 overhead = wall time of the generate call - time inside forwards, and a round is one target
 forward (for plain decoding, one step). The table gives the overhead per round (median over
 repeats), tokens per round and the ratio hf_specdec / transformers per mode; greedy also checks that
@@ -37,7 +37,6 @@ forward by the same hooks, and prints the 25 functions with the most self time o
 from __future__ import annotations
 
 import argparse
-import copy
 import cProfile
 import io
 import json
@@ -54,13 +53,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
+sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts
 
 import hf_specdec  # noqa: E402
+from common import MODES, ForwardTimer  # noqa: E402
+from tiny import perturbed  # noqa: E402
 
 LIBRARIES = {"hf_specdec": hf_specdec}  # plus "baseline" (hf_specdec at --baseline REV) when asked for
 
 QWEN_VOCAB = 151936
-MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 METHODS = ("plain", "transformers", "hf_specdec")
 TARGET_RATIO = 0.5  # issue 10: hf_specdec <= 0.5x transformers' overhead per round
 PAD_ID = 0
@@ -81,11 +82,7 @@ def tiny_pair(vocab: int, hidden: int, layers: int, noise: float, init: float, s
         initializer_range=init, bos_token_id=1, eos_token_id=None, pad_token_id=PAD_ID,
     )
     target = Qwen2ForCausalLM(config).eval()
-    draft = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for param in draft.parameters():
-            param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp_min(1e-3))
+    draft = perturbed(target, noise, seed + 1)
     for model in (target, draft):
         model.generation_config.pad_token_id = PAD_ID
         model.generation_config.eos_token_id = None
@@ -112,29 +109,6 @@ def fix_assistant_length(draft, k: int) -> None:
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-class ForwardTimer:
-    """Times every forward of one model with public nn.Module hooks (nothing patched). On CUDA the
-    hooks synchronise, so a forward's time is its kernels' time, not its launch time."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.device = model.device
-        self.durations: list[float] = []
-        self._start = 0.0
-        self._handles = [model.register_forward_pre_hook(self._pre), model.register_forward_hook(self._post)]
-
-    def _pre(self, module, args):
-        _sync(self.device)
-        self._start = time.perf_counter()
-
-    def _post(self, module, args, output):
-        _sync(self.device)
-        self.durations.append(time.perf_counter() - self._start)
-
-    def take(self) -> list[float]:
-        out, self.durations = self.durations, []
-        return out
 
 
 def generate_kwargs(method: str, draft, mode: str, max_new_tokens: int, k: int) -> dict:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, ForwardTimer, check_categories, drafts_by_precision, geometric_mean, load_pair, load_prompts,
+    CATEGORIES, MODES, ForwardTimer, check_categories, drafts_by_precision, geometric_mean, load_pair, load_prompts,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time,
 )
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
@@ -52,7 +52,6 @@ HF_METHODS = ("hf_specdec", *ABLATIONS)
 # Not in the defaults: transformers' assisted generation given the same quantized draft as hf_specdec.
 EXTRA_METHODS = ("assisted_quantized",)
 ALL_METHODS = METHODS + EXTRA_METHODS + tuple(ABLATIONS)
-MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
 
 
 @dataclass(frozen=True)

@@ -42,9 +42,15 @@ def tiny_pair(seed: int = 0, noise: float = 0.1):
         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
     )
     target = LlamaForCausalLM(config).eval()
-    draft = copy.deepcopy(target)
-    gen = torch.Generator().manual_seed(seed + 1)
+    return target, perturbed(target, noise, seed + 1), tokenizer
+
+
+def perturbed(model, noise: float, seed: int):
+    """A draft that agrees with `model` often but not always: a copy with Gaussian noise of `noise`
+    times each weight's std added to every weight."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in draft.parameters():
             param.add_(torch.randn(param.shape, generator=gen) * noise * param.std().clamp_min(1e-3))
-    return target, draft, tokenizer
+    return draft

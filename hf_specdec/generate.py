@@ -36,11 +36,12 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .batch import RaggedBatch
 from .cache import check_cache, extend, make_rollbackable, new_cache, rollback
 from .config import SpeculativeConfig
-from .policy import DRAFT, NGRAM, NONE, DraftPolicy, PolicySettings
-from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal
-from .proposals import with_draft_temperature
+from .policy import DraftPolicy, PolicySettings
+from .proposals import (
+    CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal, with_draft_temperature,
+)
 from .sampling import RowProcessors, logits_to_probs
-from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
+from .stats import DRAFT, NGRAM, NONE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import greedy_verification, lazy_speculative_sampling
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache import extend, new_cache, rollback
-from ..policy import DRAFT
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
+from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
 
 # Warpers that must see the temperature-scaled scores (transformers applies temperature first).

@@ -14,7 +14,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..config import SpeculativeConfig
-from ..policy import NGRAM
+from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
 
 _DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator

@@ -53,7 +53,9 @@ class PolicySettings:
     draft_cost: float | None = None  # pin c instead of measuring it
     verify_cost: float | None = None  # pin d instead of measuring it
     prior_draft_cost: float = 0.4  # c before the first measurement (a 3x smaller draft on a CPU)
-    prior_verify_cost: float = 0.05  # d before two verify widths have been timed
+    # d before two verify widths have been timed: memory-bound verification, where 8 tokens cost about
+    # 1.2 one-token steps (a 1.5B model on 2 CPU cores); the online fit replaces it within a few rounds.
+    prior_verify_cost: float = 0.03
     probe_interval: int = 8  # plain rounds before drafting is tried again
     ema_weight: float = 0.2  # weight of the newest round in running estimates
     calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)

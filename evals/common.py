@@ -43,12 +43,28 @@ def check_categories(categories) -> None:
         raise SystemExit(f"unknown category {sorted(unknown)}; choose from {', '.join(CATEGORIES)}")
 
 
-def load_prompts(tokenizer, categories, per_category: int | None) -> list[dict]:
-    """Chat-formatted prompts, `per_category` of each category (None: all), evenly spaced through the
-    file so that a small preset still samples the whole category."""
+# Held-out discipline: every prompt belongs to one split, by the parity of the number in its id
+# (Spec-Bench "81" -> 81, HumanEval "HumanEval/2" -> 2): even ids are the tuning split, on which any
+# default or threshold of the project is tuned; odd ids are the report split, on which the eval
+# reports by default. Fixed, documented, and the same on every machine.
+SPLITS = ("report", "tuning", "all")
+
+
+def split_of(prompt_id: str) -> str:
+    """"tuning" or "report" for a prompt id ending in a number."""
+    digits = "".join(ch for ch in prompt_id.rsplit("/", 1)[-1] if ch.isdigit())
+    if not digits:
+        raise ValueError(f"prompt id {prompt_id!r} has no number to split on")
+    return "tuning" if int(digits) % 2 == 0 else "report"
+
+
+def prompt_pools(categories, split: str = "all") -> dict[str, list[tuple[str, str]]]:
+    """Per category, (prompt id, text) of every prompt of `split`, in file order."""
     from datasets import load_dataset
 
     check_categories(categories)
+    if split not in SPLITS:
+        raise SystemExit(f"unknown split {split!r}; choose from {', '.join(SPLITS)}")
     pools = {c: [] for c in categories}
     for row in load_dataset("json", data_files=str(SPEC_BENCH), split="train"):
         category = "mt_bench" if row["category"] in MT_BENCH else row["category"]
@@ -58,9 +74,16 @@ def load_prompts(tokenizer, categories, per_category: int | None) -> list[dict]:
         for row in load_dataset("json", data_files=str(HUMANEVAL), split="train"):
             text = f"Complete the following Python function.\n\n```python\n{row['prompt']}```"
             pools["humaneval"].append((row["task_id"], text))
+    if split == "all":
+        return pools
+    return {c: [(i, t) for i, t in pool if split_of(i) == split] for c, pool in pools.items()}
+
+
+def load_prompts(tokenizer, categories, per_category: int | None, split: str = "all") -> list[dict]:
+    """Chat-formatted prompts of `split`, `per_category` of each category (None: all), evenly spaced
+    through the file so that a small preset still samples the whole category."""
     prompts = []
-    for category in categories:
-        pool = pools[category]
+    for category, pool in prompt_pools(categories, split).items():
         n = len(pool) if per_category is None else min(per_category, len(pool))
         for i in range(n):
             prompt_id, text = pool[(i * len(pool)) // n]
@@ -97,15 +120,17 @@ def drafts_by_precision(draft, bits: int) -> dict:
 
 
 class ForwardTimer:
-    """Counts and times every forward of the given models (public nn.Module hooks; nothing patched).
-    On CUDA the hooks synchronise, so a forward's time is its kernels' time, not its launch time."""
+    """Counts and times every forward of the given models (public nn.Module hooks; nothing patched),
+    and notes each forward's work: (new tokens, tokens already cached). On CUDA the hooks
+    synchronise, so a forward's time is its kernels' time, not its launch time."""
 
     def __init__(self, *models: torch.nn.Module):
         self.durations: list[float] = []
+        self.work: list[list[int]] = []  # [width, context] per forward
         self._start = 0.0
         self.cuda = any(m.device.type == "cuda" for m in models)
         for model in dict.fromkeys(models):  # the same model once
-            model.register_forward_pre_hook(self._pre)
+            model.register_forward_pre_hook(self._pre, with_kwargs=True)
             model.register_forward_hook(self._post)
 
     def _now(self) -> float:
@@ -113,14 +138,23 @@ class ForwardTimer:
             torch.cuda.synchronize()
         return time.perf_counter()
 
-    def _pre(self, module, args):
+    def _pre(self, module, args, kwargs):
+        ids = kwargs["input_ids"] if kwargs.get("input_ids") is not None else args[0]
+        cache = kwargs.get("cache")
+        self.work.append([ids.shape[1], 0 if cache is None else cache.get_seq_length()])
         self._start = self._now()
 
     def _post(self, module, args, output):
         self.durations.append(self._now() - self._start)
 
     def take(self) -> list[float]:
-        out, self.durations = self.durations, []
+        """The forward durations since the last take (their work is dropped)."""
+        return self.take_with_work()[0]
+
+    def take_with_work(self) -> tuple[list[float], list[list[int]]]:
+        """(durations, [width, context] per forward) since the last take."""
+        out = self.durations, self.work
+        self.durations, self.work = [], []
         return out
 
 
@@ -184,6 +218,30 @@ def geometric_mean(values) -> float | None:
     """Over the positive values given (a missing or failed category is skipped, not counted as 0)."""
     values = [v for v in values if v and v > 0]
     return math.exp(sum(map(math.log, values)) / len(values)) if values else None
+
+
+def bootstrap_interval(groups: list[list[float]], statistic, level: float = 0.9, resamples: int = 2000,
+                       seed: int = 0) -> tuple[float, float] | None:
+    """Percentile bootstrap interval of `statistic(groups)`, resampling the values within each group
+    with replacement (prompts within categories). `statistic` takes a list of groups."""
+    import random
+
+    if not groups or any(not g for g in groups):
+        return None
+    rng = random.Random(seed)
+    values = sorted(statistic([rng.choices(g, k=len(g)) for g in groups]) for _ in range(resamples))
+    tail = (1 - level) / 2
+    return values[int(tail * (resamples - 1))], values[int((1 - tail) * (resamples - 1))]
+
+
+def median_interval(values: list[float], level: float = 0.9) -> tuple[float, float] | None:
+    """Bootstrap interval of the median over prompts."""
+    return bootstrap_interval([values], lambda groups: statistics.median(groups[0]), level)
+
+
+def geomean_of_medians_interval(groups: list[list[float]], level: float = 0.9) -> tuple[float, float] | None:
+    """Bootstrap interval of the geometric mean over categories of the per-category median."""
+    return bootstrap_interval(groups, lambda gs: geometric_mean(statistics.median(g) for g in gs), level)
 
 
 def median_or_none(values) -> float | None:

@@ -30,9 +30,11 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, MODES, ForwardTimer, check_categories, drafts_by_precision, geometric_mean, load_pair, load_prompts,
+    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time,
 )
+from costs import CostTable, measure  # noqa: E402
+from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 
@@ -62,7 +64,7 @@ class Preset:
 
 PRESETS = {
     "quick": Preset(prompts_per_category=1, max_new_tokens=64),  # 7 prompts, ~13 min on 2 cores (real pair)
-    "standard": Preset(prompts_per_category=3, max_new_tokens=64),  # 21 prompts, ~40 min
+    "standard": Preset(prompts_per_category=5, max_new_tokens=64),  # 35 prompts, ~1 h on 2 cores (real pair)
     "full": Preset(prompts_per_category=None, max_new_tokens=128),  # all 644 prompts
 }
 
@@ -85,6 +87,8 @@ class EvalConfig:
     device_map: str | None = None  # e.g. "auto" for a target too large for one device
     threads: int = 0  # torch threads per process (0: torch's default)
     draft_bits: int = 8  # weight-only quantization of hf_specdec's draft (16: none)
+    split: str = "report"  # prompts of the report split (odd ids), "tuning" (even ids) or "all"
+    cost_table: Path | None = None  # a saved cost table to price work with (None: measure one at the start)
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -95,7 +99,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         modes=tuple(args.modes), methods=tuple(methods), out=Path(args.out), num_draft_tokens=args.num_draft_tokens,
         prompts_per_category=preset.prompts_per_category if args.prompts_per_category is None else args.prompts_per_category,
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
-        threads=args.threads, draft_bits=args.draft_bits,
+        threads=args.threads, draft_bits=args.draft_bits, split=args.split,
+        cost_table=Path(args.cost_table) if args.cost_table else None,
     )
 
 
@@ -107,16 +112,21 @@ def check_config(config: EvalConfig) -> None:
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
     check_categories(config.categories)
+    if config.split not in SPLITS:
+        raise SystemExit(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
 
 
 # ---------------------------------------------------------------- one prompt
 
 
-def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, num_draft_tokens, seed):
-    """One generate call: (sequences, seconds, hf_specdec stats or None, per-round records).
-    input_ids: (1, prompt_len)."""
+def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, num_draft_tokens, seed, pins):
+    """One generate call: (sequences, seconds, hf_specdec stats or None, per-round records, plain
+    greedy's scores or None). input_ids: (1, prompt_len). `pins`: hf_specdec's costs from the cost
+    table, so that its decisions depend on the table, not on the clock."""
     kwargs = dict(max_new_tokens=max_new_tokens, **mode_kwargs)
     rounds = []
+    if method == "plain" and not mode_kwargs.get("do_sample"):
+        kwargs.update(return_dict_in_generate=True, output_scores=True)  # to explain any greedy mismatch
     if method == "assisted":
         kwargs["assistant_model"] = drafts["bf16"]  # transformers' own method, with the draft as loaded
     elif method == "assisted_quantized":
@@ -128,6 +138,7 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
                       acceptance_sink=rounds.append)
         if num_draft_tokens is not None:
             kwargs["num_draft_tokens"] = num_draft_tokens
+        kwargs.update(pins)
         kwargs.update(ABLATIONS.get(method, {}))
         kwargs["assistant"] = drafts[kwargs.pop("draft", "hf")]
     torch.manual_seed(seed)
@@ -135,34 +146,46 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
     seconds = time.perf_counter() - start
     if method in HF_METHODS:
-        return out.sequences, seconds, out.acceptance, rounds
-    return out, seconds, None, rounds
+        return out.sequences, seconds, out.acceptance, rounds, None
+    if "output_scores" in kwargs:
+        return out.sequences, seconds, None, rounds, [s[0] for s in out.scores]
+    return out, seconds, None, rounds, None
 
 
-def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts, timers, max_new_tokens: int) -> list[dict]:
+def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts, timers, max_new_tokens: int,
+                    table: CostTable) -> list[dict]:
     """Every mode and method of `config` on one prompt, plain first: one record each."""
     input_ids = torch.tensor([prompt["input_ids"]], device=target.device)
+    pins = table.pinned_costs(input_ids.shape[1])
     records = []
     for mode in config.modes:
-        plain = None  # (record, sequences) of plain decoding in this mode
+        plain = None  # (record, sequences, scores) of plain decoding in this mode
         for method in config.methods:
             timers["target"].take(), timers["draft"].take()
             base = dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method)
             try:
-                seqs, seconds, stats, rounds = run_method(
-                    method, target, drafts, input_ids, MODES[mode], max_new_tokens, config.num_draft_tokens, seed=index
+                seqs, seconds, stats, rounds, scores = run_method(
+                    method, target, drafts, input_ids, MODES[mode], max_new_tokens, config.num_draft_tokens, index, pins
                 )
             except (ValueError, NotImplementedError) as err:  # e.g. a method that does not support sampling
                 records.append(dict(base, error=str(err).splitlines()[0]))
                 continue
-            record = dict(base, **_measurements(input_ids, seqs, seconds, timers["target"].take(), timers["draft"].take()))
+            (target_d, target_w), (draft_d, draft_w) = timers["target"].take_with_work(), timers["draft"].take_with_work()
+            record = dict(base, **_measurements(input_ids, seqs, seconds, target_d, draft_d))
+            record["work"] = dict(target=target_w, draft=draft_w)
+            record["modelled_seconds"] = table.modelled_seconds(record["work"], mode, _engine(method))
             if method == "plain":
-                plain = (record, seqs)
+                plain = (record, seqs, scores)
             else:
                 record.update(_against_plain(record, seqs, plain, mode))
                 record.update(_acceptance(method, record, stats, rounds))
             records.append(record)
     return records
+
+
+def _engine(method: str) -> str:
+    """Whose processing and sampling a method pays per position (priced by the cost table)."""
+    return "hf_specdec" if method in HF_METHODS else "transformers"
 
 
 def _measurements(input_ids, seqs, seconds, target_d: list[float], draft_d: list[float]) -> dict:
@@ -184,10 +207,15 @@ def _against_plain(record: dict, seqs: torch.Tensor, plain: tuple[dict, torch.Te
     against plain decoding of the same prompt and mode (None where plain did not run first)."""
     if plain is None:
         return dict(speedup=None, cost_ratio=None, predicted_speedup=None)
-    base, plain_seqs = plain
+    base, plain_seqs, plain_scores = plain
     out = dict(speedup=speedup_over_plain(record["new_tokens"], record["seconds"], base["new_tokens"], base["seconds"]))
     if mode == "greedy":
         out["matches_plain"] = bool(torch.equal(seqs, plain_seqs))
+        prompt_len = record["prompt_tokens"]
+        divergence = greedy_divergence(plain_seqs[0, prompt_len:], seqs[0, prompt_len:], plain_scores or [])
+        if divergence is not None:  # where the outputs part, and how close plain's top two were there
+            out["divergence"] = dict(position=divergence.position, margin=divergence.margin, top=divergence.top,
+                                     margin_bf16_steps=divergence.margin_in_bf16_steps)
     draft_step, target_step = record["draft_step_s"], base["target_step_s"]
     out["cost_ratio"] = draft_step / target_step if draft_step and target_step else None
     out["predicted_speedup"] = _predicted_speedup(record, base)
@@ -242,6 +270,10 @@ def attach_speedups(records) -> None:
         if r["method"] != "plain" and "error" not in r and base is not None:
             r["speedup"] = speedup_over_plain(r["new_tokens"], r["seconds"], base["new_tokens"], base["seconds"])
             r["plain_seconds_same_tokens"] = base["seconds"] * r["new_tokens"] / base["new_tokens"]
+            r["time_ratio"] = base["seconds"] / r["seconds"]  # Spec-Bench's speedup: plain wall time / method's
+            if r.get("modelled_seconds") and base.get("modelled_seconds"):
+                r["modelled_speedup"] = speedup_over_plain(
+                    r["new_tokens"], r["modelled_seconds"], base["new_tokens"], base["modelled_seconds"])
 
 
 def summarise(records, metric) -> dict:
@@ -258,28 +290,55 @@ def summarise(records, metric) -> dict:
                 elif rows:
                     per_category[category] = dict(prompts=len(rows), error=rows[0]["error"])
             if per_category:
-                summary.setdefault(mode, {})[method] = dict(
-                    categories=per_category,
-                    geomean_speedup=geometric_mean(v.get("median_speedup") for v in per_category.values()),
-                )
+                summary.setdefault(mode, {})[method] = _method_entry(records, mode, method, per_category)
     return summary
+
+
+def _method_entry(records, mode: str, method: str, per_category: dict) -> dict:
+    """Geometric means over categories of the per-category medians, wall and modelled, with bootstrap
+    90% intervals (prompts resampled within categories)."""
+    rows = [r for r in records if (r["mode"], r["method"]) == (mode, method) and r.get("speedup")]
+    groups = [[r["speedup"] for r in rows if r["category"] == c] for c in per_category]
+    modelled = [[r["modelled_speedup"] for r in rows if r["category"] == c and r.get("modelled_speedup")]
+                for c in per_category]
+    entry = dict(categories=per_category,
+                 geomean_speedup=geometric_mean(v.get("median_speedup") for v in per_category.values()),
+                 geomean_interval=geomean_of_medians_interval([g for g in groups if g]))
+    if all(modelled):
+        entry.update(geomean_modelled_speedup=geometric_mean(v.get("median_modelled_speedup") for v in per_category.values()),
+                     geomean_modelled_interval=geomean_of_medians_interval(modelled))
+    return entry
 
 
 def _category_entry(mode: str, method: str, ok: list[dict], metric) -> dict:
     """One method's figures on one category and mode, from its successful records."""
+    speedups = [r["speedup"] for r in ok]
     entry = dict(
         prompts=len(ok),
-        median_speedup=statistics.median(r["speedup"] for r in ok),
+        median_speedup=statistics.median(speedups),
+        speedup_interval=median_interval(speedups),
+        # Spec-Bench's figures: mean accepted tokens per target forward ("#MAT"; emitted tokens per
+        # verification, bonus included) and speedup as a wall-time ratio (plain time / method time).
         tokens_per_target_forward=sum(r["new_tokens"] for r in ok) / sum(r["target_forwards"] for r in ok),
+        median_time_ratio=median_or_none(r.get("time_ratio") for r in ok),
         predicted_speedup=median_or_none(r["predicted_speedup"] for r in ok),
         cost_ratio=median_or_none(r["cost_ratio"] for r in ok),
     )
+    modelled = [r["modelled_speedup"] for r in ok if r.get("modelled_speedup")]
+    if len(modelled) == len(ok):
+        entry.update(median_modelled_speedup=statistics.median(modelled), modelled_interval=median_interval(modelled))
+        # Wall clock and the cost table disagree by more than 15%: noise, or work the table misses.
+        entry["wall_vs_modelled_flag"] = abs(entry["median_speedup"] / entry["median_modelled_speedup"] - 1) > 0.15
     if "drafted" in ok[0]:
         entry["acceptance_rate"] = pooled_stats(ok).acceptance_rate
     if method in HF_METHODS:
         entry.update(_hf_entry(ok, metric))
     if mode == "greedy":
         entry["all_match_plain"] = all(r.get("matches_plain", False) for r in ok)
+        steps = [r["divergence"]["margin_bf16_steps"] for r in ok if r.get("divergence")]
+        # Every mismatch must be a bf16 near-tie (at most one bf16 step); a larger margin is a bug.
+        entry["mismatches"] = sum(not r.get("matches_plain", False) for r in ok)
+        entry["mismatches_beyond_one_bf16_step"] = sum(s is None or s > 1 for s in steps)
     return entry
 
 
@@ -310,25 +369,41 @@ def _hf_entry(ok: list[dict], metric) -> dict:
 
 
 def markdown_table(summary) -> str:
+    """Per mode, method and category: wall speedup (median over prompts, bootstrap 90% interval),
+    modelled speedup (priced by the cost table; ! where the two differ by more than 15%), Spec-Bench's
+    #MAT and wall-time ratio, acceptance, and greedy identity (mismatches, and those beyond one bf16 step)."""
     lines = []
     for mode, methods in summary.items():
-        lines += [f"### {mode}", "", "| method | category | speedup | acceptance | token acceptance | tokens/target fwd | geometric law | cost ratio | predicted | greedy match |",
+        lines += [f"### {mode}", "",
+                  "| method | category | speedup [90% CI] | modelled [90% CI] | #MAT | time ratio | acceptance | "
+                  "token acceptance | geometric law | greedy mismatches (> 1 bf16 step) |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
         for method, block in methods.items():
             for category, e in block["categories"].items():
                 if "error" in e:
                     lines.append(f"| {method} | {category} | n/a ({e['error'][:60]}) | | | | | | | |")
                     continue
+                modelled = _ci(e.get("median_modelled_speedup"), e.get("modelled_interval"))
+                flag = " !" if e.get("wall_vs_modelled_flag") else ""
+                match = f"{e['mismatches']} ({e['mismatches_beyond_one_bf16_step']})" if "mismatches" in e else "-"
                 lines.append(
-                    f"| {method} | {category} | {e['median_speedup']:.2f}x | {_fmt(e.get('acceptance_rate'))} | "
-                    f"{_fmt(e.get('token_acceptance'))} | {e['tokens_per_target_forward']:.2f} | {_fmt(e.get('geometric_tokens_per_round'))} | "
-                    f"{_fmt(e.get('cost_ratio'))} | {_fmt(e.get('predicted_speedup'), 'x')} | "
-                    f"{'yes' if e.get('all_match_plain') else ('NO' if 'all_match_plain' in e else '-')} |"
+                    f"| {method} | {category} (n={e['prompts']}) | {_ci(e['median_speedup'], e.get('speedup_interval'))} | "
+                    f"{modelled}{flag} | {e['tokens_per_target_forward']:.2f} | {_fmt(e.get('median_time_ratio'), 'x')} | "
+                    f"{_fmt(e.get('acceptance_rate'))} | {_fmt(e.get('token_acceptance'))} | "
+                    f"{_fmt(e.get('geometric_tokens_per_round'))} | {match} |"
                 )
             if block["geomean_speedup"]:
-                lines.append(f"| {method} | **geomean** | **{block['geomean_speedup']:.2f}x** | | | | | | | |")
+                modelled = _ci(block.get("geomean_modelled_speedup"), block.get("geomean_modelled_interval"))
+                lines.append(f"| {method} | **geomean** | **{_ci(block['geomean_speedup'], block.get('geomean_interval'))}** | "
+                             f"{modelled} | | | | | | |")
         lines.append("")
     return "\n".join(lines)
+
+
+def _ci(value, interval) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" + (f" [{interval[0]:.2f}, {interval[1]:.2f}]" if interval else "")
 
 
 def _fmt(value, suffix=""):
@@ -356,11 +431,16 @@ def _plot_speedup(plt, records, summary, out: Path) -> None:
     for ax, (mode, methods) in zip(axes[0], summary.items()):
         width = 0.8 / max(1, len(methods))
         for j, (method, block) in enumerate(methods.items()):
-            values = [block["categories"].get(c, {}).get("median_speedup") or 0 for c in CATEGORIES]
-            ax.bar([i + j * width for i in range(len(CATEGORIES))], values, width, label=method)
+            cells = [block["categories"].get(c, {}) for c in CATEGORIES]
+            values = [e.get("median_speedup") or 0 for e in cells]
+            # Bootstrap 90% intervals of the median over prompts, where there are any.
+            low = [v - (e.get("speedup_interval") or (v, v))[0] for v, e in zip(values, cells)]
+            high = [(e.get("speedup_interval") or (v, v))[1] - v for v, e in zip(values, cells)]
+            ax.bar([i + j * width for i in range(len(CATEGORIES))], values, width, label=method,
+                   yerr=[low, high], capsize=2, error_kw=dict(linewidth=0.8))
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CATEGORIES))], CATEGORIES, rotation=30, ha="right")
-        ax.set_ylabel("speedup over plain (median)")
+        ax.set_ylabel("speedup over plain (median, 90% CI)")
         ax.set_title(mode)
         ax.legend(fontsize=8)
     fig.tight_layout()
@@ -424,7 +504,7 @@ def main(config: EvalConfig) -> dict | None:
     import evaluate
     import transformers
     from accelerate import Accelerator
-    from accelerate.utils import gather_object
+    from accelerate.utils import broadcast_object_list, gather_object
     from tqdm.auto import tqdm
 
     check_config(config)
@@ -433,28 +513,41 @@ def main(config: EvalConfig) -> dict | None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map)
     drafts = drafts_by_precision(draft, config.draft_bits)
-    prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category)
+    prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
+    if not prompts:
+        raise SystemExit(f"no prompts in split {config.split!r} for {list(config.categories)}")
+    vocab = target.get_output_embeddings().weight.shape[0]
+    modes = {m: MODES[m] for m in config.modes}
+    # The cost table prices every record's work; measured now unless given, and again at the end.
+    table = None
+    if accelerator.is_main_process:
+        table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts["hf"], vocab, modes)
+    table = broadcast_object_list([table])[0]  # every process prices its records with the main process's table
     timers = {"target": ForwardTimer(target), "draft": ForwardTimer(*drafts.values())}
     # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
-    evaluate_prompt(config, prompts[0], 0, target, drafts, timers, max_new_tokens=8)
+    evaluate_prompt(config, prompts[0], 0, target, drafts, timers, 8, table)
 
     records = []
     with accelerator.split_between_processes(list(enumerate(prompts))) as local:
         bar = tqdm(local, desc=f"rank {accelerator.process_index}", disable=not accelerator.is_local_main_process)
         for index, prompt in bar:
-            records += evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens)
+            records += evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens, table)
             spec = [r for r in records if r["method"] == "hf_specdec" and r.get("speedup")]
             if spec:
                 bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
     records = gather_object(records)
     if not accelerator.is_main_process:
         return None
+    end_table = measure(target, drafts["hf"], vocab, modes)  # drift of the machine over the run
     summary = summarise(records, evaluate.load(str(METRIC)))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     settings.update(processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),
-                    torch=torch.__version__, transformers=transformers.__version__)
+                    torch=torch.__version__, transformers=transformers.__version__, cost_table_drift=table.drift(end_table),
+                    prompts=len(prompts))
     out = Path(config.out)
     out.mkdir(parents=True, exist_ok=True)
+    table.save(out / "cost_table.json")
+    end_table.save(out / "cost_table_end.json")
     with open(out / "records.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
@@ -501,6 +594,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     parser.add_argument("--from-records", default=None, help="only rebuild summary and plots from a records.jsonl")
+    parser.add_argument("--split", choices=SPLITS, default="report",
+                        help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")
+    parser.add_argument("--cost-table", default=None,
+                        help="price work with this saved cost table (a run's cost_table.json) instead of measuring one: "
+                             "hf_specdec's decisions then repeat exactly")
     return parser.parse_args(argv)
 
 

@@ -13,6 +13,7 @@ Pure torch, no transformers import: used by the `hf-specdec` command and `evals/
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -42,12 +43,28 @@ def top_two_margin(scores: torch.Tensor) -> float:
     return float(top2[0] - top2[1])
 
 
+def bf16_step(value: float) -> float:
+    """The spacing of bf16 numbers at `value`: 2^(e - 7) for |value| in [2^e, 2^(e+1)) (8 significant
+    bits). Two logits of this size that differ by one step may be rounded either way by a forward
+    over more tokens."""
+    return math.ldexp(1.0, math.frexp(abs(value))[1] - 8) if value else math.ldexp(1.0, -133)
+
+
 @dataclass(frozen=True)
 class Divergence:
     """The first generated token where an output leaves plain greedy, and plain's margin there."""
 
     position: int  # index among the generated tokens
     margin: float | None  # plain decoding's top-two score margin at `position`; None when unknown
+    top: float | None = None  # plain decoding's top score there (sets the size of one bf16 step)
+
+    @property
+    def margin_in_bf16_steps(self) -> float | None:
+        """The margin in units of one bf16 step at the top score's magnitude: 0 is an exact tie, 1 is
+        adjacent bf16 numbers; anything above 1 cannot be bf16 rounding and is a bug to chase."""
+        if self.margin is None or self.top is None:
+            return None
+        return self.margin / bf16_step(self.top)
 
     @property
     def exact_tie(self) -> bool:
@@ -75,5 +92,7 @@ def greedy_divergence(
     position = first_divergence(reference, other)
     if position is None:
         return None
-    margin = top_two_margin(reference_scores[position]) if position < len(reference_scores) else None
-    return Divergence(position, margin)
+    if position >= len(reference_scores):
+        return Divergence(position, None)
+    top = float(reference_scores[position].float().max())
+    return Divergence(position, top_two_margin(reference_scores[position]), top)

@@ -62,7 +62,7 @@ def check_outputs(out: Path, processes: int):
     spec = greedy["hf_specdec"]["categories"]["qa"]
     assert spec["metric"]["acceptance_rate"] == pytest.approx(spec["acceptance_rate"])
     check_plots(out, methods=len(TINY_METHODS) - 1, categories=2)
-    assert "| hf_specdec | qa |" in (out / "summary.md").read_text()
+    assert "| hf_specdec | qa (n=1) |" in (out / "summary.md").read_text()
 
 
 def check_records(records):

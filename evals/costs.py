@@ -1,0 +1,207 @@
+"""The cost table: what each kind of work costs on this machine, and a record's modelled time.
+
+Wall-clock speedups on a shared machine move 10-30% between runs. The work a method does does not:
+its forwards (how many, how wide, over how much context) and the positions it processes depend only
+on the tokens. So a run measures once, at its start (and again at its end, to see drift), what each
+kind of work costs, and prices every record's counted work with that table:
+
+* a target or draft forward of w new tokens over a cache of c tokens, for a grid of w and c
+  (linear interpolation between grid points, linear extrapolation beyond);
+* a forward from an empty cache (a prefill) of n tokens, for a grid of n;
+* processing and sampling one scored position, per mode and per engine: transformers' own
+  processors and sampler (plain decoding, assisted generation, prompt lookup) or hf_specdec's.
+
+modelled seconds = sum over forwards of their price + positions x the position price, where a
+forward from an empty cache scores one position and any other forward one per new token.
+modelled speedup = (new tokens / modelled seconds) / (plain's new tokens / plain's modelled seconds).
+
+The table also gives hf_specdec pinned costs (`pinned_costs`): the draft/target step ratio and the
+per-token verify cost, so that its cost model decides from the table, not from the clock, and a
+greedy run repeats exactly (tokens, rounds, modelled time).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # new tokens in a forward: plain, k + 1 for k up to 8, n-gram proposals
+CONTEXTS = (64, 256, 1024)  # cached tokens
+PREFILLS = (16, 64, 256, 1024)  # prompt tokens
+ENGINES = ("transformers", "hf_specdec")
+
+
+@dataclass
+class CostTable:
+    """Seconds per unit of work, measured on this machine (see the module docstring)."""
+
+    widths: list[int]
+    contexts: list[int]
+    target: list[list[float]]  # [context][width]: one target forward
+    draft: list[list[float]]  # [context][width]: one draft forward
+    prefills: list[int]
+    target_prefill: list[float]  # [prefill]
+    draft_prefill: list[float]
+    position: dict[str, dict[str, float]] = field(default_factory=dict)  # [mode][engine]: one scored position
+
+    def forward(self, model: str, width: int, context: int) -> float:
+        """One forward of `width` new tokens over `context` cached ones ("target" or "draft")."""
+        if context == 0:
+            return _interp(self.prefills, self.target_prefill if model == "target" else self.draft_prefill, width)
+        grid = self.target if model == "target" else self.draft
+        at_contexts = [_interp(self.widths, row, width) for row in grid]
+        return _interp(self.contexts, at_contexts, context)
+
+    def modelled_seconds(self, work: dict[str, list[list[int]]], mode: str, engine: str) -> float:
+        """work: {"target": [[width, context], ...], "draft": [...]}, every forward of one generate call."""
+        seconds, positions = 0.0, 0
+        for model, forwards in work.items():
+            for width, context in forwards:
+                seconds += self.forward(model, width, context)
+                positions += 1 if context == 0 else width
+        return seconds + positions * self.position[mode][engine]
+
+    def pinned_costs(self, context: int) -> dict[str, float]:
+        """hf_specdec's cost-model inputs at `context`: c = draft step / target step, and d = the
+        least-squares slope of target forward time against width, over the target step."""
+        step = self.forward("target", 1, context)
+        xs = [w - 1 for w in self.widths if w <= 9]
+        ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
+        mx, my = statistics.fmean(xs), statistics.fmean(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        return dict(draft_cost=self.forward("draft", 1, context) / step, verify_cost=max(0.0, slope / step))
+
+    def drift(self, other: "CostTable") -> float:
+        """Largest relative difference between two tables' forward prices (start against end of a run)."""
+        pairs = [(a, b) for grid in ("target", "draft") for ra, rb in zip(getattr(self, grid), getattr(other, grid))
+                 for a, b in zip(ra, rb)]
+        pairs += list(zip(self.target_prefill + self.draft_prefill, other.target_prefill + other.draft_prefill))
+        return max(abs(b - a) / a for a, b in pairs if a > 0)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: Path) -> "CostTable":
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def _interp(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), extended linearly beyond both ends (never below 0)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = 1
+    while i < len(xs) - 1 and x > xs[i]:
+        i += 1
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+# ---------------------------------------------------------------- measuring
+
+
+@torch.no_grad()
+def _time_forward(model, cache, ids: torch.Tensor, reps: int) -> float:
+    """Median seconds of `model` over `ids` [1, w] on top of `cache`, which is cut back after each."""
+    from hf_specdec.cache import rollback
+
+    base, times = cache.get_seq_length(), []
+    for _ in range(reps):
+        start = time.perf_counter()
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=ids.shape[1])
+        if ids.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        rollback([cache], base)
+    return statistics.median(times)
+
+
+def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Generator) -> list[list[float]]:
+    from hf_specdec.cache import new_cache
+
+    grid = []
+    for context in contexts:
+        cache = new_cache(model)
+        device = model.device
+        model(input_ids=torch.randint(4, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,
+              logits_to_keep=1)
+        grid.append([_time_forward(model, cache, torch.randint(4, vocab, (1, w), generator=gen).to(device), reps)
+                     for w in widths])
+    return grid
+
+
+def _prefills(model, vocab: int, lengths, reps: int, gen: torch.Generator) -> list[float]:
+    from hf_specdec.cache import new_cache
+
+    return [_time_forward(model, new_cache(model), torch.randint(4, vocab, (1, n), generator=gen).to(model.device), reps)
+            for n in lengths]
+
+
+def _position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
+    """Seconds to process one position's logits and pick its token, per engine (callables taking
+    [1, vocab] logits and returning a token)."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for engine, pick in processors.items():
+        logits = (torch.randn(1, vocab, generator=gen) * 3).to(device)
+        pick(logits)  # warm-up
+        start = time.perf_counter()
+        for _ in range(reps):
+            pick(logits)
+        out[engine] = (time.perf_counter() - start) / reps
+    return out
+
+
+def position_pickers(generation_config, mode_kwargs: dict) -> dict[str, object]:
+    """Per engine, a callable [1, vocab] logits -> token doing what that engine does per position:
+    transformers' warpers from the generation config and a multinomial draw (or argmax), or
+    hf_specdec's `RowProcessors` path and draw."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    from hf_specdec.sampling import RowProcessors, logits_to_probs, sample
+
+    ids = torch.zeros(1, 1, dtype=torch.long)
+    if not mode_kwargs.get("do_sample"):
+        argmax = lambda logits: logits.float().argmax(-1)  # noqa: E731
+        return {engine: argmax for engine in ENGINES}
+    warpers = [TemperatureLogitsWarper(mode_kwargs.get("temperature", generation_config.temperature or 1.0))]
+    top_k = mode_kwargs.get("top_k", generation_config.top_k)
+    if top_k:
+        warpers.append(TopKLogitsWarper(top_k))
+    top_p = mode_kwargs.get("top_p", generation_config.top_p)
+    if top_p is not None and top_p < 1:
+        warpers.append(TopPLogitsWarper(top_p))
+    pipeline = LogitsProcessorList(warpers)
+    ours = RowProcessors(pipeline, 1)
+    return {
+        "transformers": lambda logits: torch.multinomial(torch.softmax(pipeline(ids, logits.float()), -1), 1),
+        "hf_specdec": lambda logits: sample(logits_to_probs(ours.scores(_prefix(ids), ids[:, :0], logits))),
+    }
+
+
+def _prefix(ids):
+    from hf_specdec.sampling import Prefixes
+
+    return Prefixes.from_tensor(ids, [0])
+
+
+def measure(target, draft, vocab: int, modes: dict[str, dict], reps: int = 3, widths=WIDTHS, contexts=CONTEXTS,
+            prefills=PREFILLS, seed: int = 0) -> CostTable:
+    """Time every kind of work on this machine (about a minute for the real pair on 2 CPU cores)."""
+    gen = torch.Generator().manual_seed(seed)
+    table = CostTable(
+        widths=list(widths), contexts=list(contexts),
+        target=_forward_grid(target, vocab, widths, contexts, reps, gen),
+        draft=_forward_grid(draft, vocab, widths, contexts, reps, gen),
+        prefills=list(prefills),
+        target_prefill=_prefills(target, vocab, prefills, reps, gen),
+        draft_prefill=_prefills(draft, vocab, prefills, reps, gen),
+    )
+    table.position = {mode: _position_seconds(position_pickers(target.generation_config, kwargs), vocab, target.device)
+                      for mode, kwargs in modes.items()}
+    return table

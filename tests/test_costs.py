@@ -1,0 +1,114 @@
+"""The evaluation's cost table, modelled time, pinned repeatability and held-out splits (issue 11)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "evals"))
+
+from common import CATEGORIES, bootstrap_interval, prompt_pools, split_of  # noqa: E402
+from costs import CostTable  # noqa: E402
+
+
+def hand_table() -> CostTable:
+    """Round numbers: a target forward costs 1 s + 0.1 s per extra token at context 100, twice that at
+    context 300; a draft forward a tenth of it; prefills 0.01 s per token; positions 1 ms / 2 ms."""
+    widths, contexts = [1, 3, 9], [100, 300]
+    target = [[1.0 + 0.1 * (w - 1) for w in widths], [2.0 + 0.2 * (w - 1) for w in widths]]
+    return CostTable(
+        widths=widths, contexts=contexts, target=target, draft=[[t / 10 for t in row] for row in target],
+        prefills=[10, 100], target_prefill=[0.1, 1.0], draft_prefill=[0.01, 0.1],
+        position={"greedy": {"transformers": 0.001, "hf_specdec": 0.002}},
+    )
+
+
+def test_a_record_priced_by_hand_equals_the_code():
+    table = hand_table()
+    work = {
+        "target": [[50, 0], [4, 50], [1, 200]],  # prefill of 50; 4 tokens at context 50; 1 token at context 200
+        "draft": [[50, 0], [2, 100]],
+    }
+    # target: prefill 50 -> 0.1 + 0.9 * 40/90 = 0.5; width 4 at context 50 (extrapolated below 100):
+    # at 100: 1 + 0.1 * 3 = 1.3, at 300: 2 + 0.2 * 3 = 2.6, so at 50: 1.3 - 1.3 * 50/200 = 0.975;
+    # width 1 at context 200: (1.0 + 2.0) / 2 = 1.5.
+    # draft: prefill 50 -> 0.05; width 2 at context 100 -> (1 + 0.1) / 10 = 0.11.
+    # positions: prefills score 1 each, others their width: 1 + 4 + 1 + 1 + 2 = 9, at 2 ms (hf_specdec).
+    expected = 0.5 + 0.975 + 1.5 + 0.05 + 0.11 + 9 * 0.002
+    assert table.modelled_seconds(work, "greedy", "hf_specdec") == pytest.approx(expected)
+    assert table.modelled_seconds(work, "greedy", "transformers") == pytest.approx(expected - 9 * 0.001)
+
+
+def test_pinned_costs_and_drift_from_the_table():
+    table = hand_table()
+    pins = table.pinned_costs(100)
+    assert pins["draft_cost"] == pytest.approx(0.1)
+    assert pins["verify_cost"] == pytest.approx(0.1)  # 0.1 s per extra token over a 1 s step
+    other = hand_table()
+    other.target[1][2] *= 1.25
+    assert table.drift(other) == pytest.approx(0.25)
+
+
+def test_the_table_round_trips_through_json(tmp_path):
+    table = hand_table()
+    table.save(tmp_path / "t.json")
+    assert CostTable.load(tmp_path / "t.json") == table
+
+
+def test_the_split_is_disjoint_stable_and_covers_every_category():
+    assert split_of("81") == "report" and split_of("82") == "tuning"
+    assert split_of("HumanEval/2") == "tuning" and split_of("HumanEval/163") == "report"
+    everything = prompt_pools(CATEGORIES, "all")
+    tuning, report = prompt_pools(CATEGORIES, "tuning"), prompt_pools(CATEGORIES, "report")
+    for category in CATEGORIES:
+        ids = [i for i, _ in everything[category]]
+        t, r = {i for i, _ in tuning[category]}, {i for i, _ in report[category]}
+        assert not t & r and t | r == set(ids)
+        assert len(t) >= 5 and len(r) >= 5  # the standard preset's 5 prompts per category fit in either
+    assert prompt_pools(CATEGORIES, "report") == report  # stable: the same on a second call
+
+
+def test_bootstrap_interval_brackets_the_statistic_and_narrows_with_more_prompts():
+    import statistics
+
+    few = [[1.0, 2.0, 3.0, 4.0, 5.0]]
+    many = [[1.0, 2.0, 3.0, 4.0, 5.0] * 20]
+    median = lambda groups: statistics.median(groups[0])  # noqa: E731
+    lo, hi = bootstrap_interval(few, median)
+    assert lo <= 3.0 <= hi
+    lo2, hi2 = bootstrap_interval(many, median)
+    assert hi2 - lo2 < hi - lo
+    assert bootstrap_interval(few, median) == (lo, hi)  # seeded: the same interval twice
+
+
+def eval_run(out: Path, table: Path) -> list[dict]:
+    cmd = [sys.executable, str(ROOT / "evals" / "run_eval.py"), "--target", "tiny", "--draft", "tiny",
+           "--prompts-per-category", "1", "--max-new-tokens", "24", "--categories", "qa", "humaneval",
+           "--modes", "greedy", "--methods", "plain", "hf_specdec", "--threads", "1",
+           "--cost-table", str(table), "--out", str(out)]
+    result = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+
+
+def test_with_a_pinned_table_a_greedy_run_repeats_tokens_rounds_and_modelled_time(tmp_path):
+    """A cheap draft in the table makes hf_specdec's cost model draft adaptively (lengths vary); with
+    the table pinned, its decisions read no clock, so a second run makes the same decisions."""
+    table = hand_table()
+    table.position["sampling"] = table.position["greedy"]
+    table.save(tmp_path / "table.json")
+    first, second = eval_run(tmp_path / "a", tmp_path / "table.json"), eval_run(tmp_path / "b", tmp_path / "table.json")
+    spec = [r for r in first if r["method"] == "hf_specdec"]
+    assert len({d for r in spec for d, _, _ in r["round_log"]}) > 1, "the cost model never varied the draft length"
+    for a, b in zip(first, second):
+        assert (a["id"], a["method"]) == (b["id"], b["method"])
+        assert a["tokens"] == b["tokens"] and a["work"] == b["work"]
+        assert a["modelled_seconds"] == b["modelled_seconds"]
+        if a["method"] == "hf_specdec":
+            assert a["round_log"] == b["round_log"] and a["rounds"] == b["rounds"]

@@ -38,35 +38,36 @@ ENGINES = ("transformers", "hf_specdec")
 
 @dataclass
 class CostTable:
-    """Seconds per unit of work, measured on this machine (see the module docstring)."""
+    """Seconds per unit of work, measured on this machine (see the module docstring). Models are named:
+    "target", and each draft by the name the eval gives it ("hf" for hf_specdec's quantized draft,
+    "bf16" for the draft as loaded)."""
 
     widths: list[int]
     contexts: list[int]
-    target: list[list[float]]  # [context][width]: one target forward
-    draft: list[list[float]]  # [context][width]: one draft forward
+    forwards: dict[str, list[list[float]]]  # [model][context][width]: one forward over a cache
     prefills: list[int]
-    target_prefill: list[float]  # [prefill]
-    draft_prefill: list[float]
+    prefill: dict[str, list[float]]  # [model][prefill]: one forward from an empty cache
     position: dict[str, dict[str, float]] = field(default_factory=dict)  # [mode][engine]: one scored position
 
     def forward(self, model: str, width: int, context: int) -> float:
-        """One forward of `width` new tokens over `context` cached ones ("target" or "draft")."""
+        """One forward of `model` over `width` new tokens and `context` cached ones."""
         if context == 0:
-            return _interp(self.prefills, self.target_prefill if model == "target" else self.draft_prefill, width)
-        grid = self.target if model == "target" else self.draft
-        at_contexts = [_interp(self.widths, row, width) for row in grid]
+            return _interp(self.prefills, self.prefill[model], width)
+        at_contexts = [_interp(self.widths, row, width) for row in self.forwards[model]]
         return _interp(self.contexts, at_contexts, context)
 
     def modelled_seconds(self, work: dict[str, list[list[int]]], mode: str, engine: str) -> float:
-        """work: {"target": [[width, context], ...], "draft": [...]}, every forward of one generate call."""
+        """work: {model: [[width, context], ...]}, every forward of one generate call. A target forward
+        scores one position from an empty cache and one per new token otherwise (an upper bound where
+        hf_specdec's lazy rule stops early); a draft forward scores one position."""
         seconds, positions = 0.0, 0
         for model, forwards in work.items():
             for width, context in forwards:
                 seconds += self.forward(model, width, context)
-                positions += 1 if context == 0 else width
+                positions += width if model == "target" and context > 0 else 1
         return seconds + positions * self.position[mode][engine]
 
-    def pinned_costs(self, context: int) -> dict[str, float]:
+    def pinned_costs(self, context: int, draft: str = "hf") -> dict[str, float]:
         """hf_specdec's cost-model inputs at `context`: c = draft step / target step, and d = the
         least-squares slope of target forward time against width, over the target step."""
         step = self.forward("target", 1, context)
@@ -74,13 +75,13 @@ class CostTable:
         ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return dict(draft_cost=self.forward("draft", 1, context) / step, verify_cost=max(0.0, slope / step))
+        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=max(0.0, slope / step))
 
     def drift(self, other: "CostTable") -> float:
         """Largest relative difference between two tables' forward prices (start against end of a run)."""
-        pairs = [(a, b) for grid in ("target", "draft") for ra, rb in zip(getattr(self, grid), getattr(other, grid))
+        pairs = [(a, b) for model in self.forwards for ra, rb in zip(self.forwards[model], other.forwards[model])
                  for a, b in zip(ra, rb)]
-        pairs += list(zip(self.target_prefill + self.draft_prefill, other.target_prefill + other.draft_prefill))
+        pairs += [(a, b) for model in self.prefill for a, b in zip(self.prefill[model], other.prefill[model])]
         return max(abs(b - a) / a for a, b in pairs if a > 0)
 
     def save(self, path: Path) -> None:
@@ -106,14 +107,15 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 
 
 @torch.no_grad()
-def _time_forward(model, cache, ids: torch.Tensor, reps: int) -> float:
-    """Median seconds of `model` over `ids` [1, w] on top of `cache`, which is cut back after each."""
+def _time_forward(model, cache, ids: torch.Tensor, reps: int, logits: int) -> float:
+    """Median seconds of `model` over `ids` [1, w] on top of `cache` (cut back after each), computing
+    logits at the last `logits` positions."""
     from hf_specdec.cache import rollback
 
     base, times = cache.get_seq_length(), []
     for _ in range(reps):
         start = time.perf_counter()
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=ids.shape[1])
+        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits)
         if ids.device.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
@@ -121,7 +123,9 @@ def _time_forward(model, cache, ids: torch.Tensor, reps: int) -> float:
     return statistics.median(times)
 
 
-def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Generator) -> list[list[float]]:
+def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Generator, all_logits: bool) -> list[list[float]]:
+    """[context][width] seconds. A verifying target scores every new token (`all_logits`); a draft
+    catching up on several tokens scores only the last."""
     from hf_specdec.cache import new_cache
 
     grid = []
@@ -130,16 +134,17 @@ def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Gen
         device = model.device
         model(input_ids=torch.randint(4, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,
               logits_to_keep=1)
-        grid.append([_time_forward(model, cache, torch.randint(4, vocab, (1, w), generator=gen).to(device), reps)
-                     for w in widths])
+        grid.append([_time_forward(model, cache, torch.randint(4, vocab, (1, w), generator=gen).to(device), reps,
+                                   logits=w if all_logits else 1) for w in widths])
     return grid
 
 
 def _prefills(model, vocab: int, lengths, reps: int, gen: torch.Generator) -> list[float]:
+    """Seconds of a forward from an empty cache over n tokens, with logits at the last position only."""
     from hf_specdec.cache import new_cache
 
-    return [_time_forward(model, new_cache(model), torch.randint(4, vocab, (1, n), generator=gen).to(model.device), reps)
-            for n in lengths]
+    return [_time_forward(model, new_cache(model), torch.randint(4, vocab, (1, n), generator=gen).to(model.device),
+                          reps, logits=1) for n in lengths]
 
 
 def _position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
@@ -190,18 +195,22 @@ def _prefix(ids):
     return Prefixes.from_tensor(ids, [0])
 
 
-def measure(target, draft, vocab: int, modes: dict[str, dict], reps: int = 3, widths=WIDTHS, contexts=CONTEXTS,
-            prefills=PREFILLS, seed: int = 0) -> CostTable:
-    """Time every kind of work on this machine (about a minute for the real pair on 2 CPU cores)."""
+def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[str, dict], reps: int = 3,
+            widths=WIDTHS, contexts=CONTEXTS, prefills=PREFILLS, seed: int = 0) -> CostTable:
+    """Time every kind of work on this machine: the target and each named draft (a draft given under
+    two names is timed once). About a minute a model for the real pair on 2 CPU cores."""
     gen = torch.Generator().manual_seed(seed)
-    table = CostTable(
-        widths=list(widths), contexts=list(contexts),
-        target=_forward_grid(target, vocab, widths, contexts, reps, gen),
-        draft=_forward_grid(draft, vocab, widths, contexts, reps, gen),
-        prefills=list(prefills),
-        target_prefill=_prefills(target, vocab, prefills, reps, gen),
-        draft_prefill=_prefills(draft, vocab, prefills, reps, gen),
-    )
+    models = {"target": target, **drafts}
+    forwards, prefill, seen = {}, {}, {}
+    for name, model in models.items():
+        if id(model) in seen:  # the same model under another name
+            forwards[name], prefill[name] = forwards[seen[id(model)]], prefill[seen[id(model)]]
+            continue
+        seen[id(model)] = name
+        forwards[name] = _forward_grid(model, vocab, widths, contexts, reps, gen, all_logits=name == "target")
+        prefill[name] = _prefills(model, vocab, prefills, reps, gen)
+    table = CostTable(widths=list(widths), contexts=list(contexts), forwards=forwards, prefills=list(prefills),
+                      prefill=prefill)
     table.position = {mode: _position_seconds(position_pickers(target.generation_config, kwargs), vocab, target.device)
                       for mode, kwargs in modes.items()}
     return table

@@ -121,8 +121,8 @@ def check_config(config: EvalConfig) -> None:
 
 def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, num_draft_tokens, seed, pins):
     """One generate call: (sequences, seconds, hf_specdec stats or None, per-round records, plain
-    greedy's scores or None). input_ids: (1, prompt_len). `pins`: hf_specdec's costs from the cost
-    table, so that its decisions depend on the table, not on the clock."""
+    greedy's scores or None). input_ids: (1, prompt_len). `pins`: per draft name, hf_specdec's
+    costs from the cost table, so that its decisions depend on the table, not on the clock."""
     kwargs = dict(max_new_tokens=max_new_tokens, **mode_kwargs)
     rounds = []
     if method == "plain" and not mode_kwargs.get("do_sample"):
@@ -138,9 +138,9 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
                       acceptance_sink=rounds.append)
         if num_draft_tokens is not None:
             kwargs["num_draft_tokens"] = num_draft_tokens
-        kwargs.update(pins)
         kwargs.update(ABLATIONS.get(method, {}))
-        kwargs["assistant"] = drafts[kwargs.pop("draft", "hf")]
+        draft = kwargs.pop("draft", "hf")
+        kwargs.update(assistant=drafts[draft], **pins[draft])
     torch.manual_seed(seed)
     start = time.perf_counter()
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
@@ -156,12 +156,13 @@ def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts
                     table: CostTable) -> list[dict]:
     """Every mode and method of `config` on one prompt, plain first: one record each."""
     input_ids = torch.tensor([prompt["input_ids"]], device=target.device)
-    pins = table.pinned_costs(input_ids.shape[1])
+    pins = {name: table.pinned_costs(input_ids.shape[1], name) for name in drafts}
     records = []
     for mode in config.modes:
         plain = None  # (record, sequences, scores) of plain decoding in this mode
         for method in config.methods:
-            timers["target"].take(), timers["draft"].take()
+            for timer in timers.values():
+                timer.take()
             base = dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method)
             try:
                 seqs, seconds, stats, rounds, scores = run_method(
@@ -170,9 +171,10 @@ def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts
             except (ValueError, NotImplementedError) as err:  # e.g. a method that does not support sampling
                 records.append(dict(base, error=str(err).splitlines()[0]))
                 continue
-            (target_d, target_w), (draft_d, draft_w) = timers["target"].take_with_work(), timers["draft"].take_with_work()
-            record = dict(base, **_measurements(input_ids, seqs, seconds, target_d, draft_d))
-            record["work"] = dict(target=target_w, draft=draft_w)
+            taken = {name: timer.take_with_work() for name, timer in timers.items()}
+            draft_d = [d for name, (durations, _) in taken.items() if name != "target" for d in durations]
+            record = dict(base, **_measurements(input_ids, seqs, seconds, taken["target"][0], draft_d))
+            record["work"] = {name: work for name, (_, work) in taken.items() if work}
             record["modelled_seconds"] = table.modelled_seconds(record["work"], mode, _engine(method))
             if method == "plain":
                 plain = (record, seqs, scores)
@@ -284,7 +286,7 @@ def summarise(records, metric) -> dict:
             per_category = {}
             for category in CATEGORIES:
                 rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, method, category)]
-                ok = [r for r in rows if "error" not in r]
+                ok = [r for r in rows if "error" not in r and r.get("speedup") is not None]
                 if ok:
                     per_category[category] = _category_entry(mode, method, ok, metric)
                 elif rows:
@@ -304,8 +306,8 @@ def _method_entry(records, mode: str, method: str, per_category: dict) -> dict:
     entry = dict(categories=per_category,
                  geomean_speedup=geometric_mean(v.get("median_speedup") for v in per_category.values()),
                  geomean_interval=geomean_of_medians_interval([g for g in groups if g]))
-    if all(modelled):
-        entry.update(geomean_modelled_speedup=geometric_mean(v.get("median_modelled_speedup") for v in per_category.values()),
+    if all(modelled) and all(v.get("median_modelled_speedup") for v in per_category.values()):
+        entry.update(geomean_modelled_speedup=geometric_mean(v["median_modelled_speedup"] for v in per_category.values()),
                      geomean_modelled_interval=geomean_of_medians_interval(modelled))
     return entry
 
@@ -521,9 +523,13 @@ def main(config: EvalConfig) -> dict | None:
     # The cost table prices every record's work; measured now unless given, and again at the end.
     table = None
     if accelerator.is_main_process:
-        table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts["hf"], vocab, modes)
+        table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts, vocab, modes)
     table = broadcast_object_list([table])[0]  # every process prices its records with the main process's table
-    timers = {"target": ForwardTimer(target), "draft": ForwardTimer(*drafts.values())}
+    # One timer per model: the target and each distinct draft, named as in `drafts` (priced by name).
+    timers = {"target": ForwardTimer(target)}
+    for name, model in drafts.items():
+        if all(model is not drafts[other] for other in timers if other != "target"):
+            timers[name] = ForwardTimer(model)
     # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
     evaluate_prompt(config, prompts[0], 0, target, drafts, timers, 8, table)
 
@@ -538,7 +544,7 @@ def main(config: EvalConfig) -> dict | None:
     records = gather_object(records)
     if not accelerator.is_main_process:
         return None
-    end_table = measure(target, drafts["hf"], vocab, modes)  # drift of the machine over the run
+    end_table = measure(target, drafts, vocab, modes)  # drift of the machine over the run
     summary = summarise(records, evaluate.load(str(METRIC)))
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     settings.update(processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),

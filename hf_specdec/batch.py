@@ -124,8 +124,8 @@ class RaggedBatch:
 
     def compact(self, caches: tuple[Cache | None, ...]) -> None:
         """Drop holes and padding from the columns every cache holds: each row's real columns, in
-        order, gathered to the right (shorter rows left-padded); columns only some cache holds (at
-        most the last draft column) are kept as they are."""
+        order, gathered to the right (shorter rows left-padded); columns past the shortest cache (the
+        target runs ahead of the draft after plain or n-gram rounds) are kept as they are."""
         self._prefixes = None
         cached = min(c.get_seq_length() for c in caches if c is not None)
         head = self.mask[:, :cached]  # [active, cached]

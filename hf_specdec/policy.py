@@ -223,7 +223,7 @@ class DraftPolicy:
         if not self.settings.adaptive:
             return None
         p_all, expected, drafted = [1.0] * rows, [1.0] * rows, [0]
-        step = self.cost + self.verify_cost
+        step = max(self.cost + self.verify_cost, 1e-9)  # free drafts (c = d = 0): keep drafting
 
         def keep_drafting(confidences: list[float]) -> bool:
             drafted[0] += 1

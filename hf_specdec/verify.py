@@ -101,6 +101,8 @@ def lazy_speculative_sampling(
     while True:
         stop = min(k + 1, start + size)
         chunks.append(target_probs_at(start, stop))  # [batch, stop - start, vocab]
+        if start == 0:
+            _check_shapes(draft_tokens[:, : stop - 1], chunks[0], None if draft_probs is None else draft_probs[:, : stop - 1])
         tested = min(stop, k)  # draft positions start..tested-1 are tested against this chunk
         q = None if draft_probs is None else draft_probs[:, start:tested]
         accepted = _accepts(draft_tokens[:, start:tested], q, chunks[-1], uniforms[:, start:tested])  # [batch, tested - start]

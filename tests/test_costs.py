@@ -23,8 +23,9 @@ def hand_table() -> CostTable:
     widths, contexts = [1, 3, 9], [100, 300]
     target = [[1.0 + 0.1 * (w - 1) for w in widths], [2.0 + 0.2 * (w - 1) for w in widths]]
     return CostTable(
-        widths=widths, contexts=contexts, target=target, draft=[[t / 10 for t in row] for row in target],
-        prefills=[10, 100], target_prefill=[0.1, 1.0], draft_prefill=[0.01, 0.1],
+        widths=widths, contexts=contexts,
+        forwards={"target": target, "hf": [[t / 10 for t in row] for row in target]},
+        prefills=[10, 100], prefill={"target": [0.1, 1.0], "hf": [0.01, 0.1]},
         position={"greedy": {"transformers": 0.001, "hf_specdec": 0.002}},
     )
 
@@ -33,16 +34,17 @@ def test_a_record_priced_by_hand_equals_the_code():
     table = hand_table()
     work = {
         "target": [[50, 0], [4, 50], [1, 200]],  # prefill of 50; 4 tokens at context 50; 1 token at context 200
-        "draft": [[50, 0], [2, 100]],
+        "hf": [[50, 0], [2, 100]],
     }
     # target: prefill 50 -> 0.1 + 0.9 * 40/90 = 0.5; width 4 at context 50 (extrapolated below 100):
     # at 100: 1 + 0.1 * 3 = 1.3, at 300: 2 + 0.2 * 3 = 2.6, so at 50: 1.3 - 1.3 * 50/200 = 0.975;
     # width 1 at context 200: (1.0 + 2.0) / 2 = 1.5.
     # draft: prefill 50 -> 0.05; width 2 at context 100 -> (1 + 0.1) / 10 = 0.11.
-    # positions: prefills score 1 each, others their width: 1 + 4 + 1 + 1 + 2 = 9, at 2 ms (hf_specdec).
-    expected = 0.5 + 0.975 + 1.5 + 0.05 + 0.11 + 9 * 0.002
+    # positions: a target prefill scores 1, other target forwards their width, draft forwards 1 each:
+    # 1 + 4 + 1 + 1 + 1 = 8, at 2 ms (hf_specdec) or 1 ms (transformers).
+    expected = 0.5 + 0.975 + 1.5 + 0.05 + 0.11 + 8 * 0.002
     assert table.modelled_seconds(work, "greedy", "hf_specdec") == pytest.approx(expected)
-    assert table.modelled_seconds(work, "greedy", "transformers") == pytest.approx(expected - 9 * 0.001)
+    assert table.modelled_seconds(work, "greedy", "transformers") == pytest.approx(expected - 8 * 0.001)
 
 
 def test_pinned_costs_and_drift_from_the_table():
@@ -51,7 +53,7 @@ def test_pinned_costs_and_drift_from_the_table():
     assert pins["draft_cost"] == pytest.approx(0.1)
     assert pins["verify_cost"] == pytest.approx(0.1)  # 0.1 s per extra token over a 1 s step
     other = hand_table()
-    other.target[1][2] *= 1.25
+    other.forwards["target"][1][2] *= 1.25
     assert table.drift(other) == pytest.approx(0.25)
 
 
@@ -102,6 +104,7 @@ def test_with_a_pinned_table_a_greedy_run_repeats_tokens_rounds_and_modelled_tim
     the table pinned, its decisions read no clock, so a second run makes the same decisions."""
     table = hand_table()
     table.position["sampling"] = table.position["greedy"]
+    table.forwards["bf16"], table.prefill["bf16"] = table.forwards["hf"], table.prefill["hf"]  # the unquantized draft
     table.save(tmp_path / "table.json")
     first, second = eval_run(tmp_path / "a", tmp_path / "table.json"), eval_run(tmp_path / "b", tmp_path / "table.json")
     spec = [r for r in first if r["method"] == "hf_specdec"]

@@ -265,3 +265,27 @@ def test_errors_name_the_problem():
         spec(target, target, max_new_tokens=3, num_draft_tokens=-1)
     with pytest.raises(ValueError, match="draft_temperature"):
         spec(target, target, max_new_tokens=3, do_sample=True, draft_temperature=0.0)
+
+
+def test_draft_candidate_generator_follows_the_contract_and_is_a_drafter():
+    """transformers' contract (get_candidates / update_candidate_strategy) driven by hand as
+    transformers' assisted loop drives it, and the same object passed twice as candidate_generator=
+    (a fresh draft cache per call): both give plain greedy's tokens."""
+    target = tiny_model("llama", seed=15)
+    draft = perturbed(target, noise=0.3)
+    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=30)
+    generator = hf_specdec.DraftCandidateGenerator(draft, None, num_draft_tokens=4, do_sample=False)
+    for _ in range(2):
+        out = target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=generator,
+                              do_sample=False, max_new_tokens=30, adaptive=False, ngram=False, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain) and out.acceptance.drafted > 0
+    seq = PROMPT
+    while seq.shape[1] < plain.shape[1]:
+        candidates, logits = generator.get_candidates(seq)
+        assert logits is None and candidates.shape[1] == seq.shape[1] + 4  # greedy drafts are point masses
+        best = target(candidates).logits[0, seq.shape[1] - 1 :].argmax(-1)
+        drafts = candidates[0, seq.shape[1] :]
+        n = int((drafts == best[:-1]).long().cumprod(0).sum())
+        seq = torch.cat([seq, drafts[None, :n], best[None, n : n + 1]], dim=1)
+        generator.update_candidate_strategy(seq, None, n)
+    assert torch.equal(seq[:, : plain.shape[1]], plain)

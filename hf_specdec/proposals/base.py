@@ -18,8 +18,8 @@ class Proposal:
 
     A chain today: node j of a row follows node j - 1, node 0 follows the row's last real token. A
     tree of candidates fits the same type: `parents` then gives each node's parent node (-1: the
-    last real token), and `tokens`, `draft_probs` and `confidences` are indexed by node. The
-    verifying stage refuses trees until tree verification exists.
+    last real token), and `tokens`, `draft_probs` and `confidences` are indexed by node. The loop
+    refuses trees (with a clear error) until tree verification exists.
     """
 
     tokens: torch.Tensor  # [rows, k] int64: the draft tokens (k may be 0: a plain step)

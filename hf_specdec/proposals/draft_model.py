@@ -143,8 +143,10 @@ class DraftModelDrafter(Drafter):
         return token, q, q_token.tolist()
 
 
-class DraftCandidateGenerator(CandidateGenerator):
+class DraftCandidateGenerator(CandidateGenerator, Drafter):
     """transformers' `CandidateGenerator` contract over `DraftModelDrafter`, one unpadded batch at a time.
+    It is a `Drafter` too: passed as `candidate_generator=`, it drafts through its `DraftModelDrafter`
+    (cost model, batches and all), with a fresh cache per call.
 
     `get_candidates(input_ids)` returns `(candidate_ids, candidate_logits)`:
       * candidate_ids:    [batch, seq + k] the input followed by k draft tokens;
@@ -164,15 +166,36 @@ class DraftCandidateGenerator(CandidateGenerator):
     ):
         self.drafter = DraftModelDrafter(draft_model, logits_processor, do_sample, generator)
         self.num_draft_tokens = num_draft_tokens
+        self._seen: torch.Tensor | None = None  # [batch, len]: the sequence the draft cache was built on
 
     def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        # Everything the cache holds before the last input token is an accepted prefix of input_ids.
-        rollback([self.drafter.cache], input_ids.shape[1] - 1)
+        # Keep the cached prefix that input_ids still starts with (everything before its last token,
+        # after a verification); a sequence that does not continue the last one starts afresh.
+        keep = min(self.drafter.cache.get_seq_length(), input_ids.shape[1] - 1)
+        seen = self._seen
+        if seen is None or seen.shape[0] != input_ids.shape[0] or not torch.equal(seen[:, :keep], input_ids[:, :keep]):
+            self.drafter.start(input_ids.shape[0])
+        rollback([self.drafter.cache], keep)
         rows = list(range(input_ids.shape[0]))
         request = DraftRequest(input_ids, None, Prefixes.from_tensor(input_ids, rows), self.num_draft_tokens)
         proposal = self.drafter.propose(request)
         logits = None if proposal.draft_probs is None else proposal.draft_probs.log()
-        return torch.cat([input_ids, proposal.tokens], dim=1), logits
+        self._seen = torch.cat([input_ids, proposal.tokens], dim=1)
+        return self._seen, logits
 
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         rollback([self.drafter.cache], input_ids.shape[1] - 1)
+
+    # --- the Drafter protocol, delegated ---
+
+    source = DRAFT
+
+    @property
+    def cache(self):
+        return self.drafter.cache
+
+    def start(self, batch_size: int) -> None:
+        self.drafter.start(batch_size)
+
+    def propose(self, request: DraftRequest) -> Proposal:
+        return self.drafter.propose(request)

@@ -69,7 +69,8 @@ class NgramCandidateGenerator(CandidateGenerator):
 
     `get_candidates(input_ids)` returns `(input_ids + proposal, None)`: no logits, so the decode loop
     treats each proposal as a point mass. Usable on its own via
-    `speculative_generate(..., candidate_generator=NgramCandidateGenerator())`.
+    `speculative_generate(..., candidate_generator=NgramCandidateGenerator())`, where its proposals
+    are cut to `num_draft_tokens` (default 8) like any foreign generator's.
     """
 
     def __init__(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_specdec.diagnostics import Divergence, first_divergence, greedy_divergence, top_two_margin
+from hf_specdec.diagnostics import Divergence, bf16_step, first_divergence, greedy_divergence, top_two_margin
 
 
 def test_first_divergence():
@@ -33,12 +33,22 @@ def test_greedy_divergence_reports_position_and_plain_margin_there():
               torch.tensor([0.0, 0.0, 5.0, 1.0])]
     assert greedy_divergence(reference, reference.clone(), scores) is None
     tie = greedy_divergence(reference, torch.tensor([3, 2, 2]), scores)
-    assert tie == Divergence(position=1, margin=0.0) and tie.exact_tie
+    assert tie == Divergence(position=1, margin=0.0, top=2.0) and tie.exact_tie and tie.margin_in_bf16_steps == 0.0
     assert "generated token 1" in tie.describe() and "exact tie" in tie.describe()
     clear = greedy_divergence(reference, torch.tensor([3, 1, 3]), scores)
-    assert clear == Divergence(position=2, margin=4.0) and not clear.exact_tie
+    assert clear == Divergence(position=2, margin=4.0, top=5.0) and not clear.exact_tie
+    assert clear.margin_in_bf16_steps == 4.0 / bf16_step(5.0) == 128.0  # 5.0 lies in [4, 8): steps of 2^-5
     assert "4.0000" in clear.describe() and "tie" not in clear.describe()
     # The other output runs past plain's last token: no score there, so no margin.
     longer = greedy_divergence(reference, torch.tensor([3, 1, 2, 0]), scores)
-    assert longer == Divergence(position=3, margin=None)
+    assert longer == Divergence(position=3, margin=None) and longer.margin_in_bf16_steps is None
     assert longer.describe() == "first difference at generated token 3"
+
+
+def test_bf16_step_is_the_spacing_of_bf16_numbers():
+    """One bf16 step at the logit sizes the issue measured (0.125 at 20.7, 0.0625 at 14.8), checked
+    against torch's own next bf16 number."""
+    for value in (20.7, 14.8, 1.0, 0.75, -3.3):
+        x = torch.tensor(value, dtype=torch.bfloat16)
+        step = float(torch.nextafter(x.abs(), torch.tensor(1e4, dtype=torch.bfloat16)) - x.abs())
+        assert bf16_step(value) == step

@@ -81,35 +81,21 @@ def speculative_generate(
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
     """Speculative decoding as a transformers custom generation strategy.
 
-    Args (beyond those `generate()` passes to every decoding method):
-        assistant: the draft model; must share the target's vocabulary.
-        num_draft_tokens: draft-model tokens per round: the maximum with `adaptive` (default 8), the
-            exact count without.
-        draft_temperature: optional temperature for the draft only (q hotter or colder than p).
-        acceptance_sink: a callable receiving one `RoundRecord` per round, or a path that gets
-            them as JSON Lines.
-        generator: a `torch.Generator` for all sampling (seeded runs repeat when draft lengths do).
-        candidate_generator: a source to use instead of `assistant`: an `hf_specdec.proposals.Drafter`
-            (takes part in the cost model), or any transformers `CandidateGenerator` (one row; used
-            every round; no logits means point-mass proposals, which is exact).
-        spec_streamer: a streamer (e.g. `TextStreamer`). transformers does not forward `streamer=`
-            to a `custom_generate` *callable*, so pass it under this name; the directory form
-            (`hf_specdec.CUSTOM_GENERATE_DIR`) accepts the standard `streamer=`.
-        adaptive: cost-model draft lengths, early stop, fallback to plain rounds (default True).
-        ngram: hybrid drafts, n-gram lookup proposals as point masses (default True; one row only).
-        draft_vocab_size: reduced-vocabulary draft head (default None: the full vocabulary).
-        draft_cost, verify_cost: pin the cost model's costs instead of measuring them.
-        speculative_config: a `SpeculativeConfig` with all of the above; explicit arguments override it.
+    Beyond what `generate()` passes to every decoding method: `assistant` (the draft model, sharing
+    the target's vocabulary), or `candidate_generator` (an `hf_specdec.proposals.Drafter`, or any
+    transformers `CandidateGenerator`: one row, used every round, no logits meaning point masses);
+    `acceptance_sink` (a callable or a path receiving one `RoundRecord` per round); `generator` (a
+    `torch.Generator` for all sampling); `spec_streamer` (transformers does not forward `streamer=`
+    to a callable custom_generate; the directory form takes `streamer=`); and the speed settings of
+    `SpeculativeConfig` (num_draft_tokens, draft_temperature, adaptive, ngram, draft_vocab_size,
+    draft_cost, verify_cost), given one by one or as `speculative_config` (explicit ones win).
 
     Returns the sequences tensor, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
-    overrides = dict(
-        num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature, adaptive=adaptive, ngram=ngram,
-        draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
-    )
-    config = dataclasses.replace(
-        speculative_config or SpeculativeConfig(), **{k: v for k, v in overrides.items() if v is not None}
+    config = _resolve_config(
+        speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
+        adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
     if input_ids.shape[0] > 1 and (streamer is not None or spec_streamer is not None):
@@ -131,6 +117,11 @@ def speculative_generate(
     finally:
         state.close_sink()
     return _finish(state)
+
+
+def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
+    """`base` (or the defaults) with every explicitly given argument (not None) replacing its field."""
+    return dataclasses.replace(base or SpeculativeConfig(), **{k: v for k, v in overrides.items() if v is not None})
 
 
 # ---------------------------------------------------------------- the state a round works on

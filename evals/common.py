@@ -214,6 +214,20 @@ def round_log(rounds: list[hf_specdec.RoundRecord]) -> list[tuple[int, int, int]
     return [(len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)) for r in rounds]
 
 
+def tree_counts(rounds: list[hf_specdec.RoundRecord]) -> dict:
+    """What a record keeps of its tree rounds: how many, their nodes and accepted path lengths in
+    all, and accepted tokens by where they came from (chains and trees alike)."""
+    trees = [r for r in rounds if r.parents is not None]
+    accepted_from: dict[str, int] = {}
+    for r in rounds:
+        if r.accepted_from:
+            accepted_from[r.accepted_from] = accepted_from.get(r.accepted_from, 0) + r.num_accepted
+    return dict(
+        tree_rounds=len(trees), tree_nodes=sum(len(r.draft_tokens) for r in trees),
+        tree_path=sum(r.num_accepted for r in trees), accepted_from=accepted_from,
+    )
+
+
 def geometric_mean(values) -> float | None:
     """Over the positive values given (a missing or failed category is skipped, not counted as 0)."""
     values = [v for v in values if v and v > 0]

@@ -31,7 +31,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts,
-    median_or_none, pooled_stats, round_log, speedup_over_plain, step_time,
+    median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts,
 )
 from costs import CostTable, measure  # noqa: E402
 from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
@@ -48,6 +48,7 @@ ABLATIONS = {
     "hf_bf16_draft": dict(draft="bf16"),
     "hf_no_adaptive": dict(adaptive=False, num_draft_tokens=5),
     "hf_no_ngram": dict(ngram=False),
+    "hf_chain": dict(tree=False),  # one chain per round from one source (before trees of candidates)
     "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
 }
 HF_METHODS = ("hf_specdec", *ABLATIONS)
@@ -233,6 +234,7 @@ def _acceptance(method, record, stats, rounds) -> dict:
             acceptance_rate=stats.acceptance_rate, token_acceptance=stats.token_acceptance,
             per_position_drafted=stats.drafted_per_position, per_position_reached=stats.reached_per_position,
             per_position_accepted=stats.accepted_per_position, round_log=round_log(rounds),
+            **tree_counts(rounds),
         )
     if method in ("assisted", "assisted_quantized"):
         # Each target forward verifies one block and emits accepted + 1 tokens; each draft forward
@@ -355,6 +357,13 @@ def _hf_entry(ok: list[dict], metric) -> dict:
         per_position_acceptance=stats.per_position_rate,
         geometric_tokens_per_round=geometric_tokens_per_round(stats.token_acceptance, k),
     )
+    trees = sum(r.get("tree_rounds", 0) for r in ok)
+    entry["trees"] = dict(
+        rounds=trees,
+        mean_nodes=sum(r.get("tree_nodes", 0) for r in ok) / trees if trees else None,
+        mean_path=sum(r.get("tree_path", 0) for r in ok) / trees if trees else None,
+        accepted_from={k: sum(r.get("accepted_from", {}).get(k, 0) for r in ok) for k in ("draft", "ngram", "draft+ngram")},
+    )
     if all("forward_seconds" in r and "loop_target_seconds" in r for r in ok):
         # Where the time goes: model forwards (hooks), processors/sampling/verification around them
         # (the loop's timers minus the forwards), everything else.
@@ -399,7 +408,26 @@ def markdown_table(summary) -> str:
                 lines.append(f"| {method} | **geomean** | **{_ci(block['geomean_speedup'], block.get('geomean_interval'))}** | "
                              f"{modelled} | | | | | | |")
         lines.append("")
+    lines += _tree_table(summary)
     return "\n".join(lines)
+
+
+def _tree_table(summary) -> list[str]:
+    """hf_specdec's tree rounds per mode and category: how many, mean nodes verified, mean accepted
+    path, and the accepted tokens by source."""
+    lines = ["### trees of candidates (hf_specdec methods)", "",
+             "| mode | method | category | tree rounds | mean nodes | mean accepted path | accepted from draft / ngram / both |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for mode, methods in summary.items():
+        for method, block in methods.items():
+            for category, e in block["categories"].items():
+                trees = e.get("trees")
+                if not trees:
+                    continue
+                got = trees["accepted_from"]
+                lines.append(f"| {mode} | {method} | {category} | {trees['rounds']} | {_fmt(trees['mean_nodes'])} | "
+                             f"{_fmt(trees['mean_path'])} | {got['draft']} / {got['ngram']} / {got['draft+ngram']} |")
+    return lines + [""]
 
 
 def _ci(value, interval) -> str:

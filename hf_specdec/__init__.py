@@ -24,7 +24,9 @@ from .proposals import (
 )
 from .quantize import quantize_weights
 from .stats import AcceptanceStats, RoundRecord
-from .verify import greedy_verification, lazy_speculative_sampling, speculative_sampling
+from .verify import (
+    greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling, tree_speculative_sampling,
+)
 
 # Folder holding `custom_generate/generate.py`: pass it as `custom_generate=` (with
 # `trust_remote_code=True`) to use the standard `assistant_model=` and `streamer=` arguments.
@@ -49,9 +51,11 @@ __all__ = [
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
+    "greedy_tree_verification",
     "greedy_verification",
     "lazy_speculative_sampling",
     "quantize_weights",
     "speculative_generate",
     "speculative_sampling",
+    "tree_speculative_sampling",
 ]

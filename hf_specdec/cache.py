@@ -127,3 +127,50 @@ def extend(
         **kwargs,
     )
     return out.logits[:, -num_logits:]
+
+
+def extend_tree(
+    model: torch.nn.Module,
+    cache: Cache,
+    input_ids: torch.Tensor,  # [1, seq]: the row's sequence; the cache holds a prefix of it
+    tree_tokens: torch.Tensor,  # [1, n]: the tree's node tokens
+    seen: torch.Tensor,  # [n, n] bool: node j attends to node i (itself and its ancestors)
+    depth: list[int],  # [n]: each node's depth (children of the root: 0)
+) -> torch.Tensor:  # [1, n + 1, vocab]: raw logits after the sequence's last token, then after each node
+    """One forward over the tokens the cache lacks followed by a whole tree: a custom 4D attention
+    mask lets each node see the sequence and its own ancestors only, and position ids count depth,
+    so every node's logits are those of its own branch (transformers models take a 4D mask as given).
+    The cache then holds every node's keys and values; `keep_path` keeps the accepted branch's."""
+    past, n = cache.get_seq_length(), tree_tokens.shape[1]
+    new_ids = input_ids[:, past:]  # [1, pending]
+    pending = new_ids.shape[1]
+    if pending < 1:
+        raise RuntimeError("a tree is verified after the sequence's last token, which the cache must not hold yet")
+    queries, keys = pending + n, past + pending + n
+    allowed = torch.zeros((queries, keys), dtype=torch.bool, device=input_ids.device)
+    allowed[:, :past] = True
+    allowed[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    allowed[pending:, past : past + pending] = True
+    allowed[pending:, past + pending :] = seen.to(input_ids.device)
+    dtype = next(model.parameters()).dtype
+    mask = torch.zeros((1, 1, queries, keys), dtype=dtype, device=input_ids.device)
+    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+    positions = torch.cat([
+        torch.arange(past, past + pending, device=input_ids.device),
+        past + pending + torch.tensor(depth, dtype=torch.long, device=input_ids.device),
+    ])[None]
+    kwargs = {"logits_to_keep": n + 1} if _accepts_logits_to_keep(type(model)) else {}
+    out = model(
+        input_ids=torch.cat([new_ids, tree_tokens], dim=1), attention_mask=mask, position_ids=positions,
+        cache=cache, use_cache=True, return_dict=True, **kwargs,
+    )
+    return out.logits[:, -(n + 1) :]
+
+
+def keep_path(cache: Cache, length: int, path: list[int], nodes: int) -> None:
+    """After a tree forward (the cache holds `length` sequence columns, then `nodes` tree columns),
+    keep the sequence and the accepted nodes `path` (root first), in that order. Requires
+    `can_gather([cache])`."""
+    device = cache.layers[0].keys.device
+    order = torch.cat([torch.arange(length, device=device), length + torch.tensor(path, dtype=torch.long, device=device)])
+    gather_columns([cache], order[None], cached=length + nodes)

@@ -30,6 +30,13 @@ class SpeculativeConfig:
     ngram_max_size: int = 3
     ngram_min_size: int = 2
     ngram_max_tokens: int = 32
+    # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
+    # and the draft model's chain, merged into one trie and verified in one target forward with a tree
+    # attention mask; the cost model keeps the nodes that pay, at most tree_max_nodes. False: one
+    # chain per round from one source.
+    tree: bool = True
+    tree_max_branches: int = 4
+    tree_max_nodes: int = 24
     # Reduced-vocabulary draft head: the draft proposes only token ids below this (the tokenizer's
     # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
     # the EOS tokens. None: the full vocabulary. Exact either way (q is zero outside the subset).
@@ -51,6 +58,10 @@ class SpeculativeConfig:
             )
         if self.ngram_max_tokens < 1:
             raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
+        if self.tree_max_branches < 1 or self.tree_max_nodes < 1:
+            raise ValueError(
+                f"tree_max_branches and tree_max_nodes must be >= 1, got {self.tree_max_branches} and {self.tree_max_nodes}"
+            )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
         for name in ("draft_cost", "verify_cost"):

@@ -34,15 +34,16 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import RaggedBatch
-from .cache import check_cache, extend, make_rollbackable, new_cache, rollback
+from .cache import can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
 from .config import SpeculativeConfig
 from .policy import DraftPolicy, PolicySettings
 from .proposals import (
     CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal, with_draft_temperature,
 )
+from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
 from .sampling import RowProcessors, logits_to_probs
 from .stats import DRAFT, NGRAM, NONE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
-from .verify import greedy_verification, lazy_speculative_sampling
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, tree_speculative_sampling
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +77,7 @@ def speculative_generate(
     draft_vocab_size: int | None = None,
     draft_cost: float | None = None,
     verify_cost: float | None = None,
+    tree: bool | None = None,
     speculative_config: SpeculativeConfig | None = None,
     **model_kwargs: Any,
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
@@ -88,7 +90,7 @@ def speculative_generate(
     `torch.Generator` for all sampling); `spec_streamer` (transformers does not forward `streamer=`
     to a callable custom_generate; the directory form takes `streamer=`); and the speed settings of
     `SpeculativeConfig` (num_draft_tokens, draft_temperature, adaptive, ngram, draft_vocab_size,
-    draft_cost, verify_cost), given one by one or as `speculative_config` (explicit ones win).
+    draft_cost, verify_cost, tree), given one by one or as `speculative_config` (explicit ones win).
 
     Returns the sequences tensor, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
@@ -96,6 +98,7 @@ def speculative_generate(
     config = _resolve_config(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
+        tree=tree,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
     if input_ids.shape[0] > 1 and (streamer is not None or spec_streamer is not None):
@@ -151,6 +154,7 @@ class DecodeState:
     processors: RowProcessors  # the target's logits-processor pipeline, per row
     drafter: Drafter  # the draft source: the draft model, or the user's
     lookup: NgramDrafter | None  # n-gram lookup for hybrid drafts (single row), or None
+    trees: bool  # rounds propose trees of candidates (one row, full-attention caches, config.tree)
     policy: DraftPolicy  # the cost model
     config: SpeculativeConfig
     generation_config: GenerationConfig
@@ -179,8 +183,9 @@ class Verdict:
     tokens: list[list[int]]  # per row, the accepted drafts and the extra token (host copy of `emitted`)
     target_scores: torch.Tensor  # [rows, n, vocab]: processed target scores at the first n positions
     target_logits: torch.Tensor  # [rows, k + 1, vocab]: raw target logits
-    target_probs: torch.Tensor | None  # [rows, n, vocab]: p at those positions (sampling), else None
+    target_probs: torch.Tensor | None  # [rows, n, vocab]: p at those positions (sampling chains), else None
     seconds: float  # wall time of the stage
+    path: list[int] | None = None  # trees: the accepted nodes, root first
 
     @property
     def accepted(self) -> list[int]:
@@ -204,6 +209,8 @@ def propose(state: DecodeState) -> Proposal:
     start, batch = state.clock.now(), state.batch
     room = batch.remaining(state.generation_config.max_length) - 1  # a round emits at most k + 1 tokens a row
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room))
+    if state.trees and room > 0:
+        return dataclasses.replace(_propose_tree(state, request, room), seconds=state.clock.now() - start)
     lookup = None
     if state.lookup is not None and room > 0:
         lookup = state.lookup.propose(dataclasses.replace(request, max_tokens=room))
@@ -214,15 +221,54 @@ def propose(state: DecodeState) -> Proposal:
         proposal = state.drafter.propose(dataclasses.replace(request, keep_drafting=state.policy.stop_rule(batch.size)))
     else:
         proposal = Proposal.nothing(batch.size, batch.ids.device)
-    if proposal.parents is not None:
-        raise NotImplementedError("tree proposals (Proposal.parents) cannot be verified yet; propose a chain")
     return dataclasses.replace(proposal, seconds=state.clock.now() - start)
+
+
+def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Proposal:
+    """A tree round (one row): every distinct retrieved continuation, as a trie; verified alone when
+    the cost model expects it to beat the draft model, else merged with the draft model's chain. The
+    cost model keeps the nodes that pay (`DraftPolicy.select_nodes`)."""
+    policy, config, device = state.policy, state.config, request.ids.device
+    continuations = state.lookup.continuations(dataclasses.replace(request, max_tokens=room), config.tree_max_branches)
+    retrieved = Trie()
+    for continuation in continuations:
+        retrieved.insert(continuation, NGRAM, count=True)
+    reach = retrieval_reach(retrieved, policy.state.ngram_acceptance)
+    keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
+    draft = policy.should_draft()
+    if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate()):
+        return tree_proposal(retrieved, keep, None, NGRAM, device)
+    if not draft:
+        return Proposal.nothing(1, device)
+    chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(1)))
+    if not chain.num_tokens:
+        return chain
+    merged = Trie()
+    nodes = merged.insert(chain.tokens[0].tolist(), DRAFT, count=False)
+    confidences = chain.confidences[0] if chain.confidences else None
+    draft_acceptance = {
+        j: policy.calibrated(confidences[j]) if confidences else policy.state.token_acceptance
+        for j in range(chain.num_tokens)
+    }
+    # Greedy drafts: the draft's runner-up beside each chain node. It is accepted when the chain
+    # token is not and the target's choice is the runner-up: estimated as (1 - a) q2 / (1 - q1).
+    siblings = {}
+    for j, (token, prob) in enumerate(chain.runners_up[0] if chain.runners_up else []):
+        node = merged.add(-1 if j == 0 else nodes[j - 1], token, SIBLING)
+        siblings[node] = (1 - draft_acceptance[j]) * min(1.0, prob / max(1e-6, 1 - confidences[j]))
+    for continuation in continuations:
+        merged.insert(continuation, NGRAM, count=True)
+    reach = retrieval_reach(merged, policy.state.ngram_acceptance, draft_acceptance, siblings)
+    keep = policy.select_nodes(reach, list(range(chain.num_tokens)), chain.forwards, config.tree_max_nodes)
+    return tree_proposal(merged, keep, chain, DRAFT, device)
 
 
 def verify(state: DecodeState, proposal: Proposal) -> Verdict:
     """2. One target forward over the pending column(s) and the k drafts; p at each position with
     that row's own prefix; then the rule per row: greedy accepts while the argmaxes agree, sampling
     applies the rejection rule with p computed only as far as some row still needs it."""
+    if proposal.tree is not None:
+        return _verify_tree(state, proposal)
     start, batch, drafts = state.clock.now(), state.batch, proposal.tokens  # drafts: [rows, k]
     k = proposal.num_tokens
     ids = torch.cat([batch.ids, drafts], dim=1)  # [rows, seq + k]
@@ -248,14 +294,51 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
     return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start)
 
 
+def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
+    """2 (trees, one row). One target forward over the pending token(s) and every node, each node
+    seeing only its ancestors; p (or the argmax) at a node, with its own branch as the processors'
+    prefix, computed only for the nodes the walk reaches."""
+    start, batch, tree = state.clock.now(), state.batch, proposal.tree
+    tokens = proposal.tokens[0].tolist()
+    logits = extend_tree(state.model, state.cache, batch.ids, proposal.tokens, ancestors_mask(tree.parents),
+                         depths(tree.parents))[0]  # [n + 1, vocab]: after the last real token, then after each node
+    prefixes, scores = batch.prefixes(), {}
+
+    def scores_at(node: int) -> torch.Tensor:  # [vocab]
+        branch = torch.tensor([path_tokens(tokens, tree.parents, node)], dtype=torch.long, device=logits.device)
+        scores[node] = state.processors.scores(prefixes, branch, logits[node + 1][None])[0]
+        return scores[node]
+
+    if state.generation_config.do_sample:
+        q = None if proposal.draft_probs is None else proposal.draft_probs[0]
+        path, extra = tree_speculative_sampling(tokens, tree.parents, q, lambda n: logits_to_probs(scores_at(n)), state.generator)
+    else:
+        path, extra = greedy_tree_verification(tokens, tree.parents, lambda n: int(scores_at(n).argmax()))
+    walk = [-1] + path
+    emitted = [tokens[j] for j in path] + [extra]
+    return Verdict(
+        num_accepted=torch.tensor([len(path)], device=logits.device),
+        emitted=torch.tensor([emitted], dtype=torch.long, device=logits.device), tokens=[emitted],
+        target_scores=torch.stack([scores[n] for n in walk])[None], target_logits=logits[[n + 1 for n in walk]][None],
+        target_probs=None, seconds=state.clock.now() - start, path=path,
+    )
+
+
 def commit(state: DecodeState, proposal: Proposal, verdict: Verdict) -> None:
     """3. Both caches keep the draft columns some row accepted (in the other rows they become masked
-    holes) and drop the rest; the work sequence grows by those columns and each row's extra token."""
+    holes) and drop the rest; the work sequence grows by those columns and each row's extra token.
+    After a tree, the target's cache keeps the accepted branch's columns, the draft's the part of its
+    own chain that was accepted."""
     m = max(verdict.accepted)
-    rollback(state.caches, state.batch.width + m)
     rows = torch.arange(state.batch.size, device=verdict.emitted.device)
     extra = verdict.emitted[rows, verdict.num_accepted]  # [rows]: each row's recovered or bonus token
-    state.batch.append_round(proposal.tokens[:, :m], verdict.num_accepted, extra)
+    if proposal.tree is not None:
+        keep_path(state.cache, state.batch.width, verdict.path, proposal.num_tokens)
+        rollback([state.drafter.cache], state.batch.width + proposal.tree.chain_accepted(verdict.path))
+        state.batch.append_round(verdict.emitted[:, :m], verdict.num_accepted, extra)
+    else:
+        rollback(state.caches, state.batch.width + m)
+        state.batch.append_round(proposal.tokens[:, :m], verdict.num_accepted, extra)
     state.drafter.update(state.batch.ids, verdict.target_scores, m)
 
 
@@ -289,10 +372,19 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
                 num_accepted=accepted[i], emitted_tokens=verdict.tokens[i][: emission.counts[i]],
                 expected_acceptance=_expected_acceptance(proposal, verdict, i),
                 draft_seconds=proposal.seconds, target_seconds=verdict.seconds, source=proposal.source,
+                parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
+                accepted_from=_accepted_from(proposal, accepted[i], verdict.path),
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
     state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1)
-    state.policy.observe_round(proposal.source, k, accepted, proposal.confidences)
+    if proposal.tree is None:
+        state.policy.observe_round(proposal.source, k, accepted, proposal.confidences)
+    else:
+        tree = proposal.tree
+        state.policy.observe_tree(
+            tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
+            tree.retrieval_outcomes(verdict.path),
+        )
 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:
@@ -321,11 +413,23 @@ def _first_stop(
     return len(tokens), False
 
 
+def _accepted_from(proposal: Proposal, accepted: int, path: list[int] | None) -> str:
+    """The source(s) of a row's accepted tokens: the proposal's source, or for a tree the draft model
+    (its chain and its runners-up) and/or retrieval along the accepted path."""
+    if not accepted:
+        return ""
+    if proposal.tree is None:
+        return proposal.source
+    tree = proposal.tree
+    sources = {DRAFT if j < tree.chain or not tree.retrieved[j] else NGRAM for j in path}
+    return f"{DRAFT}+{NGRAM}" if len(sources) == 2 else sources.pop()
+
+
 def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[float] | None:
     """P(accept) = sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling
     only; p(x) for a point mass), at the positions whose p was computed: every reached position, and
     perhaps a few after it."""
-    if verdict.target_probs is None:
+    if verdict.target_probs is None or proposal.tree is not None:
         return None
     n = min(proposal.num_tokens, verdict.target_probs.shape[1])
     target_probs = verdict.target_probs[i, :n]  # [n, vocab]
@@ -352,12 +456,15 @@ def _start(
         draft_cost=config.draft_cost, verify_cost=config.verify_cost,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or lookup is not None)
+    cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
+    unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
+    trees = config.tree and lookup is not None and unpadded and can_gather((cache, drafter.cache))
     write_record, close_sink = open_sink(acceptance_sink)
     return DecodeState(
-        model=model, cache=make_rollbackable(model_kwargs.get("cache") or new_cache(model)),
+        model=model, cache=cache,
         # generate() drops an all-ones attention mask; a batch needs one (for holes) all the same.
         batch=RaggedBatch(input_ids, model_kwargs.get("attention_mask")),
-        processors=RowProcessors(logits_processor, rows), drafter=drafter, lookup=lookup, policy=policy,
+        processors=RowProcessors(logits_processor, rows), drafter=drafter, lookup=lookup, trees=trees, policy=policy,
         config=config, generation_config=generation_config, stopping_criteria=stopping_criteria,
         streamer=streamer, generator=generator, clock=Clock(model.device, synchronize=decides_on_time),
         stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],

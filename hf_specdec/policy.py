@@ -209,6 +209,26 @@ class DraftPolicy:
                 return NGRAM, length
         return (DRAFT, self.settings.max_draft_tokens) if draft else (NONE, 0)
 
+    def select_nodes(self, reach: list[float], fixed: list[int], draft_forwards: int, max_nodes: int) -> list[int]:
+        """Tree nodes to verify: the `fixed` ones (the draft chain, already drafted), then, best first,
+        every node whose estimated acceptance r (`reach`, non-increasing from parent to child) raises
+        the round's expected tokens per unit of cost: with E tokens for cost C so far, one more node
+        adds r tokens for d, which pays when r * C > d * E. Parents always come before children."""
+        d = self.verify_cost
+        chosen = set(fixed)
+        tokens = 1.0 + sum(reach[j] for j in fixed)
+        cost = 1.0 + draft_forwards * self.cost + len(fixed) * d
+        for j in sorted((j for j in range(len(reach)) if j not in chosen), key=lambda j: (-reach[j], j)):
+            if len(chosen) >= max_nodes or reach[j] * cost <= d * tokens:
+                break
+            chosen.add(j)
+            tokens, cost = tokens + reach[j], cost + d
+        return sorted(chosen)
+
+    def tree_rate(self, reach: list[float], nodes: list[int], draft_forwards: int = 0) -> float:
+        """Expected tokens per unit of cost of verifying `nodes`."""
+        return (1.0 + sum(reach[j] for j in nodes)) / (1.0 + draft_forwards * self.cost + len(nodes) * self.verify_cost)
+
     # ------------------------------------------------------------ while drafting
 
     def calibrated(self, confidence: float) -> float:
@@ -269,3 +289,19 @@ class DraftPolicy:
             if source == DRAFT:
                 rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
                 s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)
+
+    def observe_tree(
+        self,
+        chain: int,  # draft-model nodes in the tree (its first nodes, one chain)
+        chain_accepted: int,  # how many of them were accepted
+        confidences: list[float] | None,  # the draft's probability of each chain node
+        retrieval: list[bool],  # per node the walk reached that had retrieved children: one was accepted
+    ) -> None:
+        """A tree round: the draft chain is scored as a draft round; each retrieval event updates the
+        per-token acceptance of retrievals."""
+        s, w = self.state, self.settings.ema_weight
+        if chain:
+            self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences])
+        s.plain_streak = 0
+        for accepted in retrieval:
+            s.ngram_acceptance = _ema(s.ngram_acceptance, float(accepted), w / 2)

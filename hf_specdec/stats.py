@@ -29,6 +29,13 @@ class RoundRecord:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     source: str = "draft"  # "draft" (draft model), "ngram" (n-gram lookup, point-mass q) or "none" (plain step)
+    # Trees: each draft token's parent (-1: the last real token) and the accepted nodes, root first;
+    # num_accepted is then the length of that path. None for a chain.
+    parents: list[int] | None = None
+    path: list[int] | None = None
+    # Where the accepted tokens came from: "draft", "ngram", "draft+ngram" (a tree path through both),
+    # or "" when nothing was accepted.
+    accepted_from: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

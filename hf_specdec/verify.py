@@ -227,3 +227,110 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
         raise ValueError(
             f"draft distribution must be [batch={batch}, k={k}, vocab={target.shape[-1]}], got {tuple(draft.shape)}"
         )
+
+
+# ---------------------------------------------------------------- trees of candidates
+#
+# A tree proposal (`hf_specdec.proposals.tree`) is flat: node j has a token and a parent (-1: the
+# row's last real token, the root); parents come before children. The first `sampled` nodes are
+# the draft model's chain, each drawn from its q (`draft_probs[j]`) and each the *first* child of
+# its parent; every other node is a point mass (a retrieved token, or a greedy draft).
+#
+# Rule (SpecInfer's multi-step speculative sampling, arXiv:2305.09781, restricted so that only the
+# first child of a node is drawn from q): start at the root with r = p, the target's distribution
+# after the root. Try the node's children in order:
+#   * a child x drawn from q (first child, so r = p): accept with probability min(1, p(x) / q(x));
+#     on rejection r <- max(0, p - q);
+#   * a point-mass child y: accept with probability r(y) / sum(r); on rejection r(y) <- 0.
+# On acceptance, emit the child's token and repeat at that child with its own p. When every child
+# is rejected, emit one token drawn from normalize(r) and stop.
+#
+# Why the emitted tokens have the target's law: it suffices that the token emitted at one node is
+# distributed as p (then the walk continues, or stops, from a node whose p is the target's
+# conditional given that token, and induction on depth finishes). Each try is an exact sampler of
+# the current normalize(r) built from an exact sampler of what remains: (i) for x ~ q tested with
+# min(1, p(x)/q(x)), P(emit t) = min(p, q)(t) + (1 - sum min(p, q)) normalize(max(0, p - q))(t) = p(t)
+# (Leviathan et al. 2023, Theorem 1), provided the rejected branch emits from normalize(max(0, p - q));
+# (ii) for a point mass y tested with r(y) / |r|, P(emit y) = r(y) / |r| and, for t != y,
+# P(emit t) = (1 - r(y) / |r|) * r(t) / (|r| - r(y)) = r(t) / |r|, provided the rejected branch emits
+# from r with y removed. Chaining (i) and (ii) in any order, and ending with a direct draw, is an exact
+# sampler of p. Which tokens the children hold may depend on anything drawn before verification
+# (the draft's own samples, the retrieval), never on the uniforms used here. A sampled child that is
+# not first would be tested against a residual it was not drawn for; `_tree_children` refuses that.
+#
+# Greedy: follow the target's argmax down the tree; emit it where no child holds it.
+
+# p (or the processed scores, greedy) after a tree node (-1: the root): [vocab].
+TargetAt = Callable[[int], torch.Tensor]
+
+
+def tree_speculative_sampling(
+    tokens: list[int],  # [n]: node tokens
+    parents: list[int],  # [n]: parent node of each node (-1: the root)
+    draft_probs: torch.Tensor | None,  # [sampled, vocab]: q of nodes 0..sampled-1; None: all point masses
+    target_probs_at: TargetAt,  # node -> p after it, [vocab]; asked only for the nodes the walk reaches
+    generator: torch.Generator | None = None,
+) -> tuple[list[int], int]:
+    """Stochastic verification of one row's tree (the rule above). Returns (the accepted nodes, root
+    first, and the one extra token: recovered at the node where every child was rejected, or bonus
+    at a leaf)."""
+    children = _tree_children(parents, 0 if draft_probs is None else draft_probs.shape[0])
+    node, path = -1, []
+    while True:
+        p = target_probs_at(node).float()  # [vocab]
+        residual, mass, accepted = p, float(p.sum()), None
+        for child in children.get(node, ()):
+            x = tokens[child]
+            u = float(torch.rand((), generator=generator, device=p.device))
+            if draft_probs is not None and child < draft_probs.shape[0]:  # drawn from q; first child, so residual is p
+                q = draft_probs[child].float()
+                if u * float(q[x]) < float(residual[x]):
+                    accepted = child
+                    break
+                residual = (residual - q).clamp_min(0.0)
+            else:
+                if u * mass < float(residual[x]):
+                    accepted = child
+                    break
+                residual = residual.clone()
+                residual[x] = 0.0
+            mass = float(residual.sum())
+        if accepted is None:
+            # Guard as in the chain rule: a residual of (numerically) zero mass -> draw from p.
+            final = residual if mass > RESIDUAL_EPS else p
+            return path, int(draw(final[None], generator)[0])
+        path.append(accepted)
+        node = accepted
+
+
+def greedy_tree_verification(
+    tokens: list[int],  # [n]
+    parents: list[int],  # [n]
+    target_argmax_at: Callable[[int], int],  # node -> the target's argmax after it
+) -> tuple[list[int], int]:
+    """Follow the target's argmax down the tree. Returns (accepted nodes, the extra token)."""
+    children = _tree_children(parents, 0)
+    node, path = -1, []
+    while True:
+        best = target_argmax_at(node)
+        accepted = next((c for c in children.get(node, ()) if tokens[c] == best), None)
+        if accepted is None:
+            return path, best
+        path.append(accepted)
+        node = accepted
+
+
+def _tree_children(parents: list[int], sampled: int) -> dict[int, list[int]]:
+    """node -> its children in order; checks the tree's shape and that sampled nodes come first."""
+    children: dict[int, list[int]] = {}
+    for j, parent in enumerate(parents):
+        if not -1 <= parent < j:
+            raise ValueError(f"tree node {j} has parent {parent}: parents must come before their children")
+        children.setdefault(parent, []).append(j)
+    for j in range(sampled):
+        if children[parents[j]][0] != j:
+            raise ValueError(
+                f"tree node {j} was drawn from q but is not its parent's first child; the rule tests a "
+                "sampled child against p itself, which only the first child sees"
+            )
+    return children

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
+from scipy import stats
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
@@ -54,3 +55,26 @@ def perturbed(model, noise: float, seed: int = 123):
 @pytest.fixture(params=ARCHITECTURES)
 def arch(request):
     return request.param
+
+
+def chi_square_against(law, samples) -> tuple[float, int, float]:
+    """(statistic, degrees of freedom, p-value); cells with expected count < 5 are pooled."""
+    counts = {}
+    for s in samples:
+        assert s in law, f"sampled a sequence the target gives probability 0: {s}"
+        counts[s] = counts.get(s, 0) + 1
+    n = len(samples)
+    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
+    for cell, prob in law.items():
+        if prob * n >= 5:
+            observed.append(counts.get(cell, 0))
+            expected.append(prob * n)
+        else:
+            pool_obs += counts.get(cell, 0)
+            pool_exp += prob * n
+    if pool_exp > 0:
+        observed.append(pool_obs)
+        expected.append(pool_exp)
+    expected = [e * n / sum(expected) for e in expected]
+    result = stats.chisquare(observed, expected)
+    return float(result.statistic), len(observed) - 1, float(result.pvalue)

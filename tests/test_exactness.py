@@ -13,7 +13,6 @@ import dataclasses
 
 import pytest
 import torch
-from scipy import stats
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -24,7 +23,8 @@ from transformers import (
 from transformers.generation.candidate_generator import CandidateGenerator
 
 import hf_specdec
-from conftest import perturbed, tiny_model
+from conftest import chi_square_against, perturbed, tiny_model
+from test_tree import tree_rule_without_residuals
 from hf_specdec.proposals import DraftModelDrafter, NgramDrafter
 
 ALPHA = 1e-3  # a correct implementation fails each test with probability 0.001
@@ -59,29 +59,6 @@ def exact_joint(model, prompt=PROMPT) -> dict[tuple[int, ...], float]:
                 grown[prefix + (tok,)] = mass * probs[tok].item()
         law = grown
     return law
-
-
-def chi_square_against(law, samples) -> tuple[float, int, float]:
-    """(statistic, degrees of freedom, p-value); cells with expected count < 5 are pooled."""
-    counts = {}
-    for s in samples:
-        assert s in law, f"sampled a sequence the target gives probability 0: {s}"
-        counts[s] = counts.get(s, 0) + 1
-    n = len(samples)
-    observed, expected, pool_obs, pool_exp = [], [], 0, 0.0
-    for cell, prob in law.items():
-        if prob * n >= 5:
-            observed.append(counts.get(cell, 0))
-            expected.append(prob * n)
-        else:
-            pool_obs += counts.get(cell, 0)
-            pool_exp += prob * n
-    if pool_exp > 0:
-        observed.append(pool_obs)
-        expected.append(pool_exp)
-    expected = [e * n / sum(expected) for e in expected]
-    result = stats.chisquare(observed, expected)
-    return float(result.statistic), len(observed) - 1, float(result.pvalue)
 
 
 @pytest.fixture(scope="module")
@@ -264,7 +241,7 @@ def hybrid_law(pair):
 def hybrid_kwargs(draft, sources: list | None = None):
     """Library defaults (adaptive length, hybrid n-gram drafts), cheap pinned draft cost, k <= 3."""
     sink = None if sources is None else (lambda record: sources.append(record.source))
-    return spec_kwargs(draft, adaptive=True, ngram=True, draft_cost=0.05, num_draft_tokens=3, acceptance_sink=sink)
+    return spec_kwargs(draft, adaptive=True, ngram=True, tree=False, draft_cost=0.05, num_draft_tokens=3, acceptance_sink=sink)
 
 
 def test_hybrid_ngram_drafts_are_exact(pair, hybrid_law):
@@ -294,6 +271,56 @@ def test_broken_hybrid_ngram_with_a_uniform_q_is_detected(pair, hybrid_law, monk
     samples = sample_sequences(target, 8, HYBRID_PROMPT, **hybrid_kwargs(draft))
     statistic, dof, pvalue = chi_square_against(hybrid_law, samples)
     print(f"\nBROKEN hybrid (uniform q for lookups): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+TREE_PROMPT = torch.tensor([[1, 5, 2, 6, 1, 5, 3, 7, 1, 5]])  # (1, 5) seen twice before: two retrieved branches
+
+
+@pytest.fixture(scope="module")
+def tree_law(pair):
+    target, _, _ = pair
+    return exact_joint(target, TREE_PROMPT)
+
+
+def tree_kwargs(draft, records: list | None = None):
+    """Library defaults with trees (adaptive length, hybrid drafts, trees), pinned cheap costs."""
+    sink = None if records is None else records.append
+    return spec_kwargs(draft, adaptive=True, ngram=True, tree=True, draft_cost=0.05, verify_cost=0.02,
+                       num_draft_tokens=3, acceptance_sink=sink)
+
+
+@pytest.fixture(params=["retrieval", "draft"])
+def tree_kind(request, monkeypatch):
+    """Which trees the cost model builds: retrieved branches alone (what it picks here on its own),
+    or the draft model's chain with the retrieved branches merged in (forced: the draft's expected
+    rate made unbeatable; a speed decision only)."""
+    if request.param == "draft":
+        monkeypatch.setattr(hf_specdec.DraftPolicy, "expected_draft_rate", lambda self: float("inf"))
+    return request.param
+
+
+def test_trees_of_candidates_are_exact(pair, tree_law, tree_kind):
+    """Tree rounds (retrieved branches alone, or merged with the draft model's chain drawn from q)
+    verified in one forward by the tree rule (hf_specdec.verify) keep the target's law."""
+    target, draft, _ = pair
+    records = []
+    samples = sample_sequences(target, 9, TREE_PROMPT, **tree_kwargs(draft, records))
+    trees = [r for r in records if r.parents is not None and len(set(r.parents)) < len(r.parents)]
+    assert len(trees) >= SAMPLES // 2  # most calls verify a branching tree
+    with_draft = sum(r.source == "draft" for r in trees)
+    assert with_draft >= SAMPLES // 2 if tree_kind == "draft" else with_draft == 0
+    statistic, dof, pvalue = chi_square_against(tree_law, samples)
+    print(f"\ntrees: chi2={statistic:.1f} dof={dof} p={pvalue:.3f} ({len(trees)} branching trees, {with_draft} with a draft chain)")
+    assert pvalue > ALPHA
+
+
+def test_broken_tree_rule_without_residuals_is_detected(pair, tree_law, tree_kind, monkeypatch):
+    target, draft, _ = pair
+    monkeypatch.setattr(hf_specdec.generate, "tree_speculative_sampling", tree_rule_without_residuals)
+    samples = sample_sequences(target, 10, TREE_PROMPT, **tree_kwargs(draft))
+    statistic, dof, pvalue = chi_square_against(tree_law, samples)
+    print(f"\nBROKEN trees (no residual): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
     assert pvalue < ALPHA
 
 

@@ -16,10 +16,10 @@ from ..sampling import Prefixes
 class Proposal:
     """Draft tokens for every active row, and what the acceptance rule and the cost model need of them.
 
-    A chain today: node j of a row follows node j - 1, node 0 follows the row's last real token. A
-    tree of candidates fits the same type: `parents` then gives each node's parent node (-1: the
-    last real token), and `tokens`, `draft_probs` and `confidences` are indexed by node. The loop
-    refuses trees (with a clear error) until tree verification exists.
+    A chain: node j of a row follows node j - 1, node 0 follows the row's last real token. A tree
+    (one row): `tree` gives each node's parent (-1: the last real token); its first `tree.chain`
+    nodes are the draft model's chain, the only nodes `draft_probs` and `confidences` cover, and every
+    other node is a point mass (see `hf_specdec.proposals.tree` and `hf_specdec.verify`).
     """
 
     tokens: torch.Tensor  # [rows, k] int64: the draft tokens (k may be 0: a plain step)
@@ -29,7 +29,9 @@ class Proposal:
     source: str  # "draft", "ngram", "none", or a foreign generator's class name
     confidences: list[list[float]] | None = None  # per row, per token: the draft's probability of it (cost model)
     forwards: int = 0  # draft forward passes spent on this proposal
-    parents: torch.Tensor | None = None  # [rows, k] parent node of each node (trees); None: a chain
+    # per row, per token: the greedy draft's runner-up there (token, its probability), for tree siblings
+    runners_up: list[list[tuple[int, float]]] | None = None
+    tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: a chain
     seconds: float = 0.0  # wall time spent proposing (set by the loop)
 
     @property
@@ -48,7 +50,36 @@ class Proposal:
             tokens=self.tokens[:, :n],
             draft_probs=None if self.draft_probs is None else self.draft_probs[:, :n],
             confidences=None if self.confidences is None else [c[:n] for c in self.confidences],
+            runners_up=None if self.runners_up is None else [r[:n] for r in self.runners_up],
         )
+
+
+@dataclass(frozen=True)
+class Tree:
+    """The shape of a one-row tree proposal."""
+
+    parents: list[int]  # per node: its parent node, -1 for the row's last real token; parents first
+    chain: int  # nodes 0..chain-1 are the draft model's chain (each its parent's first child)
+    retrieved: list[bool]  # per node: some retrieved continuation passes through it
+
+    def chain_accepted(self, path: list[int]) -> int:
+        """How many leading accepted nodes are draft-chain nodes (the draft cache keeps those)."""
+        n = 0
+        while n < len(path) and n < self.chain and path[n] == n:
+            n += 1
+        return n
+
+    def retrieval_outcomes(self, path: list[int]) -> list[bool]:
+        """Per node the walk reached (the root, then each accepted node) that has retrieved children:
+        whether the walk went on through one of them."""
+        children: dict[int, list[int]] = {}
+        for j, parent in enumerate(self.parents):
+            children.setdefault(parent, []).append(j)
+        out = []
+        for step, node in enumerate([-1] + path):
+            if any(self.retrieved[c] for c in children.get(node, ())):
+                out.append(step < len(path) and self.retrieved[path[step]])
+        return out
 
 
 @dataclass(frozen=True)

@@ -101,16 +101,18 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
-        tokens, probs, confidences = [], [], []
+        tokens, probs, confidences, runners_up = [], [], [], []
         for _ in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]  # [rows, vocab]
-            token, q, confidence = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
+            token, q, confidence, runner_up = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
             tokens.append(token)
             probs.append(q)
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
+            if runner_up is not None:
+                runners_up.append(runner_up)
             if confidence is not None:
                 confidences.append(confidence)
                 if len(tokens) < request.max_tokens and not request.keep_drafting(confidence):
@@ -121,6 +123,7 @@ class DraftModelDrafter(Drafter):
             draft_probs=torch.stack(probs, dim=1) if self.do_sample and probs else None,  # [rows, k, vocab]
             source=self.source,
             confidences=[list(c) for c in zip(*confidences)] if confidences else None,
+            runners_up=[list(r) for r in zip(*runners_up)] if runners_up else None,
             forwards=len(tokens),
         ) if tokens else Proposal.nothing(rows, ids.device)
 
@@ -130,7 +133,9 @@ class DraftModelDrafter(Drafter):
         drafts: torch.Tensor,  # [rows, j]: drafted so far this round
         logits: torch.Tensor,  # [rows, vocab]: raw draft logits
         want_confidence: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[float] | None]:  # token [rows], q [rows, vocab], confidence
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[float] | None, list[tuple[int, float]] | None]:
+        """(token [rows], q [rows, vocab] or None, the draft's probability of the token per row, and
+        for greedy drafts its runner-up (token, probability) per row); the last two only when wanted."""
         scores = self.processors.scores(prefixes, drafts, logits)  # [rows, vocab]
         if self.do_sample:
             q = logits_to_probs(scores)
@@ -138,9 +143,13 @@ class DraftModelDrafter(Drafter):
         else:
             q, token = None, scores.argmax(dim=-1)
         if not want_confidence:
-            return token, q, None
-        q_token = (q if q is not None else logits_to_probs(scores)).gather(-1, token[:, None])[:, 0]  # [rows]
-        return token, q, q_token.tolist()
+            return token, q, None, None
+        probs = q if q is not None else logits_to_probs(scores)
+        q_token = probs.gather(-1, token[:, None])[:, 0]  # [rows]
+        if self.do_sample:
+            return token, q, q_token.tolist(), None
+        second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
+        return token, q, q_token.tolist(), list(zip(second.indices.tolist(), second.values.tolist()))
 
 
 class DraftCandidateGenerator(CandidateGenerator, Drafter):

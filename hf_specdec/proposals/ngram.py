@@ -16,6 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..config import SpeculativeConfig
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
+from .tree import ngram_continuations
 
 _DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator
 
@@ -62,6 +63,14 @@ class NgramDrafter(Drafter):
         budget = min(self.max_tokens, request.max_tokens)
         tokens = ngram_lookup(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
         return Proposal(tokens[None], draft_probs=None, source=self.source)  # [1, L]
+
+    def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
+        """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
+        n-gram, for a tree proposal (`hf_specdec.proposals.tree.ngram_continuations`)."""
+        if len(request.prefixes.rows) != 1:
+            raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
+        budget = min(self.max_tokens, request.max_tokens)
+        return ngram_continuations(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches)
 
 
 class NgramCandidateGenerator(CandidateGenerator):

@@ -1,0 +1,209 @@
+"""Trees of candidates: every retrieved continuation and the draft model's chain, merged into one trie
+that the target verifies in one forward.
+
+A tree is stored flat: node j has a token and a parent (-1: the row's last real token, the root), and
+parents come before their children. Children of a node are tried in node order, so the first child
+of a node may be the draft model's sampled token (tested against its q) and every later child is a
+point mass (`hf_specdec.verify.tree_speculative_sampling` states the rule and why it is exact).
+
+Retrieval (`ngram_continuations`): every earlier occurrence of the sequence's last n tokens (the
+longest n that occurs, as in prompt lookup), most recent first, contributes the tokens that followed
+it. Merged into a trie, each node counts the occurrences that pass through it, so count(child) /
+count(node) estimates how often the text continued that way. It is a scan over the sequence (one
+`unfold` per n), not a suffix automaton: at the few thousand tokens a generate call sees, the scan
+costs well under a millisecond.
+
+Draft-model siblings: for a greedy draft, the draft's runner-up at each chain position is added as a
+point-mass sibling of the chain node (a leaf: it is not expanded, so it costs no draft forward). The
+draft does not draft whole tree levels; a sampled draft adds no siblings (a point mass tested
+against the residual max(0, p - q) after its sampled sibling is rarely accepted).
+
+Which nodes are verified is the cost model's choice (`DraftPolicy.select_nodes`): every node gets an
+estimated probability that verification reaches and accepts it, and nodes are added, best first,
+while they raise the round's expected tokens per unit of cost.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..stats import DRAFT
+from .base import Proposal, Tree
+
+SIBLING = "sibling"  # a greedy draft's runner-up at a chain position, as a point-mass sibling of the chain node
+
+
+@dataclass
+class Trie:
+    """A token trie under the root (the row's last real token). Nodes are appended, never moved."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    counts: list[int] = field(default_factory=list)  # retrieved continuations through the node
+    origins: list[str] = field(default_factory=list)  # DRAFT (the draft model's chain), SIBLING or NGRAM
+    children: dict[int, list[int]] = field(default_factory=dict)  # node (-1: root) -> child nodes, in order
+    root_count: int = 0  # retrieved continuations in all
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def child(self, node: int, token: int) -> int | None:
+        return next((c for c in self.children.get(node, ()) if self.tokens[c] == token), None)
+
+    def add(self, node: int, token: int, origin: str) -> int:
+        self.tokens.append(token)
+        self.parents.append(node)
+        self.counts.append(0)
+        self.origins.append(origin)
+        self.children.setdefault(node, []).append(len(self.tokens) - 1)
+        return len(self.tokens) - 1
+
+    def insert(self, tokens: list[int], origin: str, count: bool) -> list[int]:
+        """Walk down from the root along `tokens`, creating nodes as needed; returns the nodes.
+        `count`: the sequence is one retrieved continuation (adds to the counts on its path)."""
+        node, path = -1, []
+        if count:
+            self.root_count += 1
+        for token in tokens:
+            found = self.child(node, token)
+            node = self.add(node, token, origin) if found is None else found
+            if count:
+                self.counts[node] += 1
+            path.append(node)
+        return path
+
+    def depth(self) -> int:
+        depths: list[int] = []
+        for p in self.parents:
+            depths.append(0 if p < 0 else depths[p] + 1)
+        return max(depths) + 1 if depths else 0
+
+
+def ngram_continuations(
+    sequence: torch.Tensor,  # [seq]: one row's real tokens
+    max_ngram: int,
+    min_ngram: int,
+    max_tokens: int,
+    max_branches: int,
+) -> list[list[int]]:
+    """Up to `max_branches` distinct continuations (each at most `max_tokens` long) of the earlier
+    occurrences of the sequence's last n tokens, most recent occurrence first, for the longest n in
+    max_ngram..min_ngram that occurs. Empty when nothing matches. The first one is `ngram_lookup`'s."""
+    length = sequence.shape[0]
+    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
+        windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]
+        starts = (windows == sequence[length - n :]).all(dim=1).nonzero().flatten().tolist()
+        if not starts:
+            continue
+        host = sequence.tolist()
+        out: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for start in reversed(starts):
+            follow = start + n
+            continuation = tuple(host[follow : follow + max_tokens])
+            if continuation and continuation not in seen:
+                seen.add(continuation)
+                out.append(list(continuation))
+                if len(out) == max_branches:
+                    break
+        return out
+    return []
+
+
+def retrieval_reach(
+    trie: Trie,
+    acceptance: float,
+    draft_acceptance: dict[int, float] | None = None,
+    sibling_acceptance: dict[int, float] | None = None,
+) -> list[float]:
+    """For every node, an estimate of P(verification accepts it): a retrieved node is accepted with
+    the running per-token acceptance of retrievals `acceptance` times the share of continuations that
+    took it there (count(node) / count(parent)). When its parent's first child is a draft-model node
+    that the target accepts with probability a (`draft_acceptance`), a retrieved sibling is only
+    reached when the draft node is not accepted: its estimate is scaled by (1 - a). Draft nodes get
+    the product of `draft_acceptance` down their chain, a SIBLING node its parent's estimate times
+    `sibling_acceptance` (P(accepted | parent reached))."""
+    draft_acceptance, sibling_acceptance = draft_acceptance or {}, sibling_acceptance or {}
+    reach: list[float] = []
+    for j, parent in enumerate(trie.parents):
+        above = 1.0 if parent < 0 else reach[parent]
+        if trie.origins[j] == DRAFT:
+            reach.append(above * draft_acceptance.get(j, acceptance))
+            continue
+        if trie.origins[j] == SIBLING:
+            reach.append(above * sibling_acceptance.get(j, 0.0))
+            continue
+        total = trie.root_count if parent < 0 else trie.counts[parent]
+        share = trie.counts[j] / total if total else 0.0
+        estimate = above * acceptance * share
+        first = trie.children[parent][0]
+        if first != j and trie.origins[first] == DRAFT:
+            estimate *= 1.0 - draft_acceptance.get(first, acceptance)
+        reach.append(estimate)
+    return reach
+
+
+def subtree(trie: Trie, keep: list[int]) -> tuple[list[int], list[int]]:
+    """(tokens, parents) of the nodes `keep` (parents included, in node order), renumbered."""
+    keep = sorted(keep)
+    index = {node: i for i, node in enumerate(keep)}
+    tokens = [trie.tokens[n] for n in keep]
+    parents = [-1 if trie.parents[n] < 0 else index[trie.parents[n]] for n in keep]
+    return tokens, parents
+
+
+def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: str, device: torch.device) -> Proposal:
+    """The proposal verifying nodes `keep` of `trie` (which holds `chain`'s tokens as its first nodes,
+    all kept, when a draft chain is given). A plain chain when the kept nodes do not branch and come
+    from one source (verified by the chain rule); a `Tree` otherwise."""
+    tokens, parents = subtree(trie, keep)
+    kept = sorted(keep)
+    drafted = 0 if chain is None else chain.num_tokens
+    if drafted and kept[:drafted] != list(range(drafted)):
+        raise ValueError("a tree proposal must keep the whole draft chain as its first nodes")
+    ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, n]
+    is_chain = parents == list(range(-1, len(parents) - 1))
+    if is_chain and drafted in (0, len(tokens)):
+        if chain is not None:
+            return chain
+        return Proposal(ids, draft_probs=None, source=source)
+    return Proposal(
+        ids, draft_probs=None if chain is None else chain.draft_probs, source=source,
+        confidences=None if chain is None else chain.confidences, forwards=0 if chain is None else chain.forwards,
+        tree=Tree(parents, drafted, [trie.counts[n] > 0 for n in kept]),
+    )
+
+
+def ancestors_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool: [j, i] = node i is j or an ancestor of j
+    """Which nodes each node sees in the tree attention mask (itself and its ancestors)."""
+    n = len(parents)
+    seen = torch.zeros((n, n), dtype=torch.bool)
+    for j, parent in enumerate(parents):
+        if parent >= j:
+            raise ValueError(f"tree node {j} has parent {parent}: parents must come before their children")
+        if parent >= 0:
+            seen[j] = seen[parent]
+        seen[j, j] = True
+    return seen
+
+
+def depths(parents: list[int]) -> list[int]:
+    """Depth of each node (children of the root: 0)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(0 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
+    """The tokens from the root down to `node` (inclusive; empty for the root, -1)."""
+    out = []
+    while node >= 0:
+        out.append(tokens[node])
+        node = parents[node]
+    return out[::-1]
+
+
+__all__ = ["Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_reach", "subtree"]

@@ -1,0 +1,297 @@
+"""Trees of candidates: retrieval of every continuation, the trie, the cost model's node choice, one
+target forward over a tree (4D mask), the kept branch's cache, and the exactness of the tree rule."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import chi_square_against, perturbed, tiny_model
+from hf_specdec.cache import extend_tree, keep_path, new_cache
+from hf_specdec.policy import DraftPolicy, PolicySettings
+from hf_specdec.proposals.base import Tree
+from hf_specdec.proposals.tree import (
+    Trie, ancestors_mask, depths, ngram_continuations, path_tokens, retrieval_reach,
+)
+from hf_specdec.stats import DRAFT, NGRAM
+from hf_specdec.verify import greedy_tree_verification, tree_speculative_sampling
+
+ALPHA = 1e-3  # a correct rule fails a chi-square test here with probability 0.001
+
+
+# ---------------------------------------------------------------- retrieval and the trie
+
+
+def test_continuations_are_distinct_most_recent_first_for_the_longest_match():
+    seq = torch.tensor([1, 5, 2, 7, 1, 5, 3, 8, 9, 1, 5, 2, 7, 4, 1, 5])
+    # last 2-gram (1, 5) occurs at 0, 4, 9: continuations (2, 7, 1), (3, 8, 9), (2, 7, 4); most recent first
+    assert ngram_continuations(seq, 3, 2, 3, 8) == [[2, 7, 4], [3, 8, 9], [2, 7, 1]]
+    assert ngram_continuations(seq, 3, 2, 3, 2) == [[2, 7, 4], [3, 8, 9]]
+    # a longer match wins: (4, 1, 5) never occurred before, (1, 5) did; with (7, 1, 5) ... none
+    assert ngram_continuations(torch.tensor([1, 2, 3, 9, 1, 2, 3]), 3, 2, 2, 4) == [[9, 1]]
+    assert ngram_continuations(torch.tensor([1, 2, 3, 4]), 3, 2, 5, 4) == []
+    # the first continuation is prompt lookup's proposal
+    assert ngram_continuations(seq, 3, 2, 3, 8)[0] == hf_specdec.proposals.ngram_lookup(seq, 3, 2, 3).tolist()
+
+
+def test_trie_merges_shared_prefixes_and_counts_continuations():
+    trie = Trie()
+    chain = trie.insert([2, 7], DRAFT, count=False)
+    for continuation in ([2, 7, 4], [3, 8], [2, 6]):
+        trie.insert(continuation, NGRAM, count=True)
+    assert chain == [0, 1]
+    assert trie.tokens == [2, 7, 4, 3, 8, 6] and trie.parents == [-1, 0, 1, -1, 3, 0]
+    assert trie.counts == [2, 1, 1, 1, 1, 1] and trie.root_count == 3
+    assert trie.children[-1] == [0, 3] and trie.children[0] == [1, 5]  # the draft's child first
+    assert depths(trie.parents) == [0, 1, 2, 0, 1, 1] and trie.depth() == 3
+    assert path_tokens(trie.tokens, trie.parents, 2) == [2, 7, 4] and path_tokens(trie.tokens, trie.parents, -1) == []
+    seen = ancestors_mask(trie.parents)
+    assert seen[2].tolist() == [True, True, True, False, False, False]
+    assert seen[4].tolist() == [False, False, False, True, True, False]
+    # estimates: draft nodes by their own acceptance, retrieved ones by g * share, behind a draft sibling
+    reach = retrieval_reach(trie, acceptance=0.5, draft_acceptance={0: 0.8, 1: 0.5})
+    assert reach[0] == pytest.approx(0.8) and reach[1] == pytest.approx(0.4)
+    assert reach[3] == pytest.approx(0.5 * 1 / 3 * (1 - 0.8))  # sibling of the draft's first token
+    assert reach[4] == pytest.approx(reach[3] * 0.5)
+    assert reach[5] == pytest.approx(0.8 * 0.5 * 1 / 2 * (1 - 0.5))  # continuation under the draft node 0
+    assert reach[2] == pytest.approx(0.4 * 0.5 * 1.0)
+
+
+def test_cost_model_keeps_nodes_while_they_pay():
+    policy = DraftPolicy(PolicySettings(draft_cost=0.2, verify_cost=0.05))
+    reach = [0.9, 0.8, 0.3, 0.01, 0.2]
+    parents_first = policy.select_nodes(reach, [], 0, max_nodes=10)
+    assert parents_first == [0, 1, 2, 4]  # 0.01 * C < d * E: not worth a verify slot
+    assert policy.select_nodes(reach, [], 0, max_nodes=2) == [0, 1]
+    assert policy.select_nodes(reach, [3], 1, max_nodes=10)[:1] == [0] and 3 in policy.select_nodes(reach, [3], 1, 10)
+    dear = DraftPolicy(PolicySettings(draft_cost=0.2, verify_cost=1.0))
+    assert dear.select_nodes(reach, [], 0, max_nodes=10) == []  # a node costing a whole step never pays here
+    assert policy.tree_rate(reach, [0, 1]) == pytest.approx((1 + 0.9 + 0.8) / (1 + 2 * 0.05))
+
+
+def test_tree_shape_helpers():
+    tree = Tree(parents=[-1, 0, 1, -1, 3, 0], chain=2, retrieved=[True, False, False, True, True, True])
+    assert tree.chain_accepted([0, 1]) == 2 and tree.chain_accepted([0, 5]) == 1 and tree.chain_accepted([3, 4]) == 0
+    # root: retrieved children 0, 3 -> went on through 0 (retrieved); node 0: children 1 (not), 5 (retrieved) -> 1
+    assert tree.retrieval_outcomes([0, 1]) == [True, False]
+    assert tree.retrieval_outcomes([]) == [False]
+    with pytest.raises(ValueError, match="parents must come before"):
+        ancestors_mask([1, -1])
+
+
+# ---------------------------------------------------------------- the tree rule, exactly
+
+V = 6
+_gen = torch.Generator().manual_seed(5)
+P0 = torch.softmax(torch.randn(V, generator=_gen) * 1.5, -1)  # target after the root
+P1 = torch.softmax(torch.randn(V, V, generator=_gen) * 1.5, -1)  # target after token t (depth 1)
+P2 = torch.softmax(torch.randn(V, V, V, generator=_gen) * 1.5, -1)  # after (t1, t2)
+Q0 = torch.softmax(torch.randn(V, generator=_gen) * 1.5, -1)  # the draft's q, unlike p
+Q1 = torch.softmax(torch.randn(V, V, generator=_gen) * 1.5, -1)
+
+
+def _target(prefix: list[int]) -> torch.Tensor:
+    return [P0, P1[prefix[0]] if prefix else None, P2[tuple(prefix[:2])] if len(prefix) >= 2 else None][len(prefix)]
+
+
+def _random_tree(gen: torch.Generator) -> tuple[list[int], list[int], torch.Tensor]:
+    """A draft chain of two tokens drawn from q, and three retrieved continuations merged in."""
+    x1 = int(torch.multinomial(Q0, 1, generator=gen))
+    x2 = int(torch.multinomial(Q1[x1], 1, generator=gen))
+    trie = Trie()
+    trie.insert([x1, x2], DRAFT, count=False)
+    for continuation in ([2, 4], [3], [x1, 5]):
+        trie.insert(continuation, NGRAM, count=True)
+    return trie.tokens, trie.parents, torch.stack([Q0, Q1[x1]])
+
+
+def _tree_samples(n: int, seed: int, break_it: str | None = None) -> list[tuple[int, int, int]]:
+    """The first three tokens: the tree rule's emitted tokens, continued from the target itself."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        tokens, parents, q = _random_tree(gen)
+        if break_it == "point_mass":
+            q = None  # sampled tokens verified as if they were point masses
+        elif break_it == "wrong_q":
+            q = torch.full_like(q, 1.0 / V)  # q other than the one the token was drawn from
+
+        def p_at(node: int) -> torch.Tensor:
+            return _target(path_tokens(tokens, parents, node))
+
+        rule = tree_rule_without_residuals if break_it == "no_residual" else tree_speculative_sampling
+        path, extra = rule(tokens, parents, q, p_at, gen)
+        seq = [tokens[j] for j in path] + [extra]
+        while len(seq) < 3:
+            seq.append(int(torch.multinomial(_target(seq), 1, generator=gen)))
+        out.append(tuple(seq[:3]))
+    return out
+
+
+def _law() -> dict[tuple[int, int, int], float]:
+    return {(a, b, c): float(P0[a] * P1[a, b] * P2[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
+
+
+def _chi_square(samples) -> float:
+    """p-value of the chi-square test of the samples against the target's joint law."""
+    return chi_square_against(_law(), samples)[2]
+
+
+TREE_SAMPLES = 20000
+
+
+def test_tree_rule_is_exact_with_sampled_and_retrieved_children():
+    """Three tokens from the tree rule (draft chain from q, retrieved siblings at the root and under
+    the draft's first node) have the target's joint law: chi-square over 216 cells, 20000 samples."""
+    pvalue = _chi_square(_tree_samples(TREE_SAMPLES, seed=11))
+    print(f"\ntree rule: p={pvalue:.3f}")
+    assert pvalue > ALPHA
+
+
+def test_sampled_tokens_verified_as_point_masses_stay_exact():
+    """Not a bug: a token tested as a point mass (accept with p(x), residual p without x) gives p
+    whatever chose it, q included, as long as the choice does not see the rule's uniforms; only
+    acceptance suffers. (This is why greedy drafts and retrieved tokens need no q.)"""
+    assert _chi_square(_tree_samples(TREE_SAMPLES, seed=12, break_it="point_mass")) > ALPHA
+
+
+@pytest.mark.parametrize("break_it", ["wrong_q", "no_residual"])
+def test_broken_tree_rules_are_detected(break_it):
+    """q other than the one the token was drawn from; children tested against p, not the residual."""
+    pvalue = _chi_square(_tree_samples(TREE_SAMPLES, seed=13, break_it=break_it))
+    print(f"\nBROKEN tree rule ({break_it}): p={pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+def tree_rule_without_residuals(tokens, parents, draft_probs, target_probs_at, generator=None):
+    """Broken on purpose: every child is tested against p itself (no residual after a rejected
+    sibling), and the final token is drawn from p."""
+    node, path = -1, []
+    while True:
+        p = target_probs_at(node).float()
+        accepted = None
+        for child in (j for j, parent in enumerate(parents) if parent == node):
+            u = float(torch.rand((), generator=generator))
+            sampled = draft_probs is not None and child < draft_probs.shape[0]
+            q_x = float(draft_probs[child, tokens[child]]) if sampled else 1.0
+            if u * q_x < float(p[tokens[child]]):
+                accepted = child
+                break
+        if accepted is None:
+            return path, int(torch.multinomial(p, 1, generator=generator))
+        path.append(accepted)
+        node = accepted
+
+
+def test_tree_rule_refuses_a_sampled_node_that_is_not_the_first_child():
+    with pytest.raises(ValueError, match="first child"):
+        tree_speculative_sampling([3, 2], [-1, -1], torch.full((2, V), 1.0 / V), lambda n: P0)
+
+
+def test_greedy_tree_follows_the_target_argmax():
+    tokens, parents = [2, 7, 3, 8, 9], [-1, 0, -1, 2, 3]
+    best = {-1: 3, 2: 8, 3: 9, 4: 1}
+    assert greedy_tree_verification(tokens, parents, lambda n: best[n]) == ([2, 3, 4], 1)
+    assert greedy_tree_verification(tokens, parents, lambda n: 5) == ([], 5)
+
+
+# ---------------------------------------------------------------- one forward over a tree
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+@torch.no_grad()
+def test_tree_forward_gives_each_branch_its_own_logits_and_keeps_the_accepted_branch(arch):
+    model = tiny_model(arch, vocab=64, seed=3)
+    prompt = torch.tensor([[1, 9, 4, 17, 9, 4]])
+    tokens, parents = [5, 6, 7, 8, 11, 12], [-1, 0, 0, -1, 3, 1]
+    cache = new_cache(model)
+    model(input_ids=prompt[:, :-1], cache=cache, use_cache=True)  # the cache lacks the last token
+    logits = extend_tree(model, cache, prompt, torch.tensor([tokens]), ancestors_mask(parents), depths(parents))[0]
+    for node in range(-1, len(tokens)):
+        branch = torch.tensor([path_tokens(tokens, parents, node)], dtype=torch.long)
+        full = model(torch.cat([prompt, branch], dim=1)).logits[0, -1]
+        torch.testing.assert_close(logits[node + 1], full, atol=1e-4, rtol=1e-4)
+    path = [0, 1, 5]  # 5, 6, 12
+    keep_path(cache, prompt.shape[1], path, len(tokens))
+    assert cache.get_seq_length() == prompt.shape[1] + 3
+    following = torch.tensor([[13]])
+    continued = model(input_ids=following, cache=cache, use_cache=True).logits[0, -1]
+    reference = model(torch.cat([prompt, torch.tensor([[5, 6, 12]]), following], dim=1)).logits[0, -1]
+    torch.testing.assert_close(continued, reference, atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- generate with trees
+
+REPETITIVE = torch.tensor([[1, 5, 2, 9, 1, 5, 3, 8, 1, 5, 4, 6, 7, 1, 5]])  # (1, 5) seen thrice: three branches
+
+
+def _tree_records(target, draft, prompt, new_tokens=40, **kwargs):
+    records = []
+    out = target.generate(
+        prompt, max_new_tokens=new_tokens, custom_generate=hf_specdec.speculative_generate, assistant=draft,
+        acceptance_sink=records.append, draft_cost=0.05, verify_cost=0.02, return_dict_in_generate=True, **kwargs,
+    )
+    return out, records
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_greedy_with_trees_equals_plain_greedy(arch):
+    target = tiny_model(arch, vocab=16, seed=4)
+    draft = perturbed(target, noise=0.2)
+    plain = target.generate(REPETITIVE, max_new_tokens=40, do_sample=False)
+    out, records = _tree_records(target, draft, REPETITIVE, do_sample=False)
+    assert torch.equal(out.sequences, plain)
+    branching = [r for r in records if r.parents is not None and len(set(r.parents)) < len(r.parents)]
+    assert branching, "no round verified a branching tree"
+    assert any(r.path and r.parents is not None for r in records)
+    assert {r.accepted_from for r in records if r.parents is not None} >= {"draft", "ngram"}  # both sources accepted
+    for r in records:
+        if r.parents is not None:
+            assert r.num_accepted == len(r.path) and r.emitted_tokens[: r.num_accepted] == [r.draft_tokens[j] for j in r.path]
+    chain, _ = _tree_records(target, draft, REPETITIVE, do_sample=False, tree=False)
+    assert torch.equal(chain.sequences, plain)
+
+
+def test_trees_switch_off_for_batches_and_tree_false():
+    target = tiny_model("llama", vocab=16, seed=4)
+    draft = perturbed(target, noise=0.2)
+    _, records = _tree_records(target, draft, REPETITIVE, do_sample=False, tree=False)
+    assert all(r.parents is None for r in records)
+    batch = REPETITIVE.repeat(2, 1)
+    _, records = _tree_records(target, draft, batch, do_sample=False, attention_mask=torch.ones_like(batch))
+    assert all(r.parents is None for r in records)
+    with pytest.raises(ValueError, match="tree_max_nodes"):
+        hf_specdec.SpeculativeConfig(tree_max_nodes=0)
+
+
+def test_trees_stop_exactly_at_eos_and_max_new_tokens():
+    target = tiny_model("qwen2", vocab=16, seed=4)
+    draft = perturbed(target, noise=0.2)
+    free = target.generate(REPETITIVE, max_new_tokens=40, do_sample=False)[0, REPETITIVE.shape[1] :].tolist()
+    ended_in_a_tree = 0
+    for eos in dict.fromkeys(free[5:]):  # tokens first generated at different depths
+        target.generation_config.eos_token_id = eos
+        plain = target.generate(REPETITIVE, max_new_tokens=40, do_sample=False, eos_token_id=eos)
+        out, records = _tree_records(target, draft, REPETITIVE, do_sample=False, eos_token_id=eos)
+        assert torch.equal(out.sequences, plain), f"eos={eos}"
+        ended_in_a_tree += records[-1].parents is not None and records[-1].num_accepted > 0
+    target.generation_config.eos_token_id = None
+    assert ended_in_a_tree, "no run stopped inside an accepted tree branch"
+    for max_new_tokens in range(1, 14):
+        plain = target.generate(REPETITIVE, max_new_tokens=max_new_tokens, do_sample=False)
+        out, records = _tree_records(target, draft, REPETITIVE, do_sample=False, new_tokens=max_new_tokens)
+        assert torch.equal(out.sequences, plain), f"max_new_tokens={max_new_tokens}"
+
+
+def test_one_target_forward_per_tree_round():
+    target = tiny_model("llama", vocab=16, seed=4)
+    draft = perturbed(target, noise=0.2)
+    calls = []
+    handle = target.register_forward_hook(lambda module, args, output: calls.append(1))
+    try:
+        _, records = _tree_records(target, draft, REPETITIVE, do_sample=False)
+    finally:
+        handle.remove()
+    assert any(r.parents is not None for r in records)
+    assert len(calls) == len(records)  # one row: one record and one target forward per round

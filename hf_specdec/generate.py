@@ -83,16 +83,12 @@ def speculative_generate(
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
     """Speculative decoding as a transformers custom generation strategy.
 
-    Beyond what `generate()` passes to every decoding method: `assistant` (the draft model, sharing
-    the target's vocabulary), or `candidate_generator` (an `hf_specdec.proposals.Drafter`, or any
-    transformers `CandidateGenerator`: one row, used every round, no logits meaning point masses);
-    `acceptance_sink` (a callable or a path receiving one `RoundRecord` per round); `generator` (a
-    `torch.Generator` for all sampling); `spec_streamer` (transformers does not forward `streamer=`
-    to a callable custom_generate; the directory form takes `streamer=`); and the speed settings of
-    `SpeculativeConfig` (num_draft_tokens, draft_temperature, adaptive, ngram, draft_vocab_size,
-    draft_cost, verify_cost, tree), given one by one or as `speculative_config` (explicit ones win).
-
-    Returns the sequences tensor, or with `return_dict_in_generate=True` a
+    Beyond what `generate()` passes: `assistant` (the draft model, same vocabulary) or
+    `candidate_generator` (a `Drafter`, or any transformers `CandidateGenerator`: one row, no logits
+    meaning point masses); `acceptance_sink` (callable or path, one `RoundRecord` per round);
+    `generator`; `spec_streamer` (transformers does not forward `streamer=` to a callable); and the
+    `SpeculativeConfig` settings one by one or as `speculative_config` (explicit ones win). The README's
+    argument table documents each. Returns the sequences, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
     config = _resolve_config(
@@ -100,9 +96,8 @@ def speculative_generate(
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
         tree=tree,
     )
-    _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs)
-    if input_ids.shape[0] > 1 and (streamer is not None or spec_streamer is not None):
-        raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
+    _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
+              streaming=streamer is not None or spec_streamer is not None)
     state = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
         candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs,
@@ -565,8 +560,11 @@ def _validate(
     generation_config: GenerationConfig,
     synced_gpus: bool,
     model_kwargs: dict[str, Any],
+    streaming: bool = False,
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
+    if input_ids.shape[0] > 1 and streaming:
+        raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     if assistant is None and candidate_generator is None:
         raise ValueError(
             "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() "

@@ -44,7 +44,7 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert trie.tokens == [2, 7, 4, 3, 8, 6] and trie.parents == [-1, 0, 1, -1, 3, 0]
     assert trie.counts == [2, 1, 1, 1, 1, 1] and trie.root_count == 3
     assert trie.children[-1] == [0, 3] and trie.children[0] == [1, 5]  # the draft's child first
-    assert depths(trie.parents) == [0, 1, 2, 0, 1, 1] and trie.depth() == 3
+    assert depths(trie.parents) == [0, 1, 2, 0, 1, 1]
     assert path_tokens(trie.tokens, trie.parents, 2) == [2, 7, 4] and path_tokens(trie.tokens, trie.parents, -1) == []
     seen = ancestors_mask(trie.parents)
     assert seen[2].tolist() == [True, True, True, False, False, False]

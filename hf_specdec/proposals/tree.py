@@ -74,12 +74,6 @@ class Trie:
             path.append(node)
         return path
 
-    def depth(self) -> int:
-        depths: list[int] = []
-        for p in self.parents:
-            depths.append(0 if p < 0 else depths[p] + 1)
-        return max(depths) + 1 if depths else 0
-
 
 def ngram_continuations(
     sequence: torch.Tensor,  # [seq]: one row's real tokens

@@ -50,6 +50,11 @@ ABLATIONS = {
     "hf_no_ngram": dict(ngram=False),
     "hf_chain": dict(tree=False),  # one chain per round from one source (before trees of candidates)
     "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
+    # The draft encodes only the prompt's last 256 tokens (a cheaper draft prefill on long prompts).
+    "hf_window256": dict(draft_window=256),
+    # Each source of trees alone: retrieval only (the draft priced out of every round), and the draft
+    # model only (no retrieval, so chains: hf_no_ngram).
+    "hf_retrieval_only": dict(draft_cost=1e3),
 }
 HF_METHODS = ("hf_specdec", *ABLATIONS)
 # Not in the defaults: transformers' assisted generation given the same quantized draft as hf_specdec.
@@ -139,9 +144,10 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
                       acceptance_sink=rounds.append)
         if num_draft_tokens is not None:
             kwargs["num_draft_tokens"] = num_draft_tokens
-        kwargs.update(ABLATIONS.get(method, {}))
-        draft = kwargs.pop("draft", "hf")
+        ablation = dict(ABLATIONS.get(method, {}))
+        draft = ablation.pop("draft", "hf")
         kwargs.update(assistant=drafts[draft], **pins[draft])
+        kwargs.update(ablation)  # an ablation's settings win over the pinned costs
     torch.manual_seed(seed)
     start = time.perf_counter()
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)

@@ -5,7 +5,8 @@ ever fed the tokens past that prefix (`extend`), so no prefix is re-encoded. The
 a speculative loop makes live here and nowhere else:
   * `rollback`: after verification, cut every cache back to the columns that survived;
   * `select_rows`: finished rows leave the batch (and the caches);
-  * `gather_columns`: compaction, each row's real columns gathered to the right (see batch.py).
+  * `gather_columns`: compaction, each row's real columns gathered to the right (see batch.py);
+  * `hide_prefix`: a windowed draft's cache gets zero columns in front, which its mask hides.
 """
 
 from __future__ import annotations
@@ -83,6 +84,21 @@ def gather_columns(
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
             layer.keys = torch.cat([layer.keys[:, :, :cached].gather(2, index), layer.keys[:, :, cached:]], dim=2)
             layer.values = torch.cat([layer.values[:, :, :cached].gather(2, index), layer.values[:, :, cached:]], dim=2)
+
+
+def hide_prefix(cache: Cache, columns: int) -> None:
+    """Put `columns` zero columns in front of every layer, so that a cache built on the last tokens
+    of a sequence has the whole sequence's length (rollback, row selection and the loop's column
+    arithmetic stay as for any cache). The model must never attend to them: every later forward
+    masks them out (`attention_mask` zero there). Requires `can_gather([cache])`."""
+    if not can_gather([cache]):
+        raise UnsupportedCacheError("a draft window needs full-attention cache layers (no sliding-window or linear-attention layers)")
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        pad = (*layer.keys.shape[:2], columns)
+        layer.keys = torch.cat([layer.keys.new_zeros(*pad, layer.keys.shape[-1]), layer.keys], dim=2)
+        layer.values = torch.cat([layer.values.new_zeros(*pad, layer.values.shape[-1]), layer.values], dim=2)
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,10 @@ class SpeculativeConfig:
     # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
     # the EOS tokens. None: the full vocabulary. Exact either way (q is zero outside the subset).
     draft_vocab_size: int | None = None
+    # The draft encodes only the last `draft_window` tokens of the prompt (and everything generated
+    # after it): a long prompt's draft prefill then costs `draft_window` tokens, at some cost in
+    # acceptance where the draft needed the rest. One row only. None: the whole prompt. Exact either way.
+    draft_window: int | None = None
     # Pin the draft/target step cost ratio c instead of measuring it online.
     draft_cost: float | None = None
     # Pin the cost d of one more token in the verifying forward (in target steps) instead of fitting
@@ -64,6 +68,8 @@ class SpeculativeConfig:
             )
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
+        if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):
+            raise ValueError(f"draft_window must be a positive integer or None, got {self.draft_window!r}")
         for name in ("draft_cost", "verify_cost"):
             value = getattr(self, name)
             if value is not None and not value >= 0:

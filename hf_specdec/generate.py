@@ -34,7 +34,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import RaggedBatch
-from .cache import can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
+from .cache import UnsupportedCacheError, can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
 from .config import SpeculativeConfig
 from .policy import DraftPolicy, PolicySettings
 from .proposals import (
@@ -78,6 +78,7 @@ def speculative_generate(
     draft_cost: float | None = None,
     verify_cost: float | None = None,
     tree: bool | None = None,
+    draft_window: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
     **model_kwargs: Any,
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
@@ -94,7 +95,7 @@ def speculative_generate(
     config = _resolve_config(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
-        tree=tree,
+        tree=tree, draft_window=draft_window,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
@@ -209,7 +210,8 @@ def propose(state: DecodeState) -> Proposal:
     lookup = None
     if state.lookup is not None and room > 0:
         lookup = state.lookup.propose(dataclasses.replace(request, max_tokens=room))
-    source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens) if room > 0 else (NONE, 0)
+    prefill = state.drafter.prefill_tokens(batch.width)
+    source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens, prefill, room) if room > 0 else (NONE, 0)
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
@@ -230,8 +232,9 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
         retrieved.insert(continuation, NGRAM, count=True)
     reach = retrieval_reach(retrieved, policy.state.ngram_acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
-    draft = policy.should_draft()
-    if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate()):
+    prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
+    draft = policy.should_draft(prefill, room)
+    if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate(prefill, room)):
         return tree_proposal(retrieved, keep, None, NGRAM, device)
     if not draft:
         return Proposal.nothing(1, device)
@@ -482,7 +485,14 @@ def _drafter(
     if config.draft_vocab_size is not None:
         vocab = assistant.get_output_embeddings().weight.shape[0]
         vocabulary = _draft_vocabulary(config.draft_vocab_size, vocab, input_ids, generation_config)
-    return DraftModelDrafter(assistant, draft_processor, bool(generation_config.do_sample), generator, vocabulary), False
+    drafter = DraftModelDrafter(assistant, draft_processor, bool(generation_config.do_sample), generator, vocabulary,
+                                window=config.draft_window)
+    if config.draft_window is not None and not can_gather([drafter.cache]):
+        raise UnsupportedCacheError(
+            "draft_window needs a draft whose cache layers are all full attention; this draft has "
+            "sliding-window or linear-attention layers. Leave draft_window unset."
+        )
+    return drafter, False
 
 
 def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:

@@ -12,7 +12,9 @@ import torch
 import hf_specdec
 from conftest import perturbed, tiny_model
 from hf_specdec.policy import DRAFT, NGRAM, NONE, DraftPolicy, PolicySettings, PolicyState
-from hf_specdec.proposals import NgramCandidateGenerator, ngram_lookup
+from hf_specdec.cache import rollback
+from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup
+from hf_specdec.sampling import Prefixes
 from hf_specdec.quantize import quantize_weights
 
 # A prompt that repeats itself, so n-gram lookup has matches from the first round.
@@ -185,7 +187,7 @@ def test_reduced_vocabulary_draft_never_proposes_outside_it():
     assert generated - allowed, "the test needs the target to want tokens outside the subset"
 
 
-@pytest.mark.parametrize("draft_cost", [0.05, 5.0])  # long adaptive rounds; plain steps and probes
+@pytest.mark.parametrize("draft_cost", [0.05, 0.6])  # long adaptive rounds; plain steps and probes
 def test_batched_greedy_with_the_default_levers(draft_cost):
     target = tiny_model("llama", seed=8)
     draft = perturbed(target, noise=0.3)
@@ -197,7 +199,7 @@ def test_batched_greedy_with_the_default_levers(draft_cost):
     assert torch.equal(out.sequences, plain)
     assert out.acceptance.ngram_rounds == 0  # n-gram drafts are single-row
     assert out.acceptance.drafted > 0
-    if draft_cost > 1:
+    if draft_cost > 0.5:
         assert out.acceptance.plain_rounds > 0
 
 
@@ -216,3 +218,83 @@ def test_speculative_config_and_bad_lever_values():
             spec(target, target, max_new_tokens=3, **bad)
     with pytest.raises(ValueError, match="ngram_min_size"):
         hf_specdec.SpeculativeConfig(ngram_min_size=4, ngram_max_size=3)
+
+
+# ---------------------------------------------------------------- the draft's prefill: counted, windowed
+
+
+def test_policy_counts_the_drafts_prefill():
+    policy = DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03))
+    warm = policy.expected_draft_rate()
+    assert warm > 1 and policy.plan(0) == (DRAFT, 8)
+    # 2000 prompt tokens cost rho * d * 2000 = 21 target steps: not worth it for 8 tokens, worth it for 1000.
+    assert policy.prefill_cost(2000) == pytest.approx(0.35 * 0.03 * 2000)
+    assert policy.expected_draft_rate(2000, 8) < 1 < policy.expected_draft_rate(2000, 1000) < warm
+    assert policy.plan(0, prefill=2000, remaining=8) == (NONE, 0)
+    assert policy.plan(0, prefill=2000, remaining=1000)[0] == DRAFT
+    # Retrieval that would lose to a warm draft wins while the draft is still cold.
+    policy.state.ngram_acceptance = 0.3
+    assert policy.plan(4)[0] == DRAFT and policy.should_draft(300, 60)
+    assert policy.plan(4, prefill=300, remaining=60)[0] == NGRAM
+
+
+def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, noise=0.1)
+    prompt = torch.randint(2, 64, (1, 600), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=4)
+    out = spec(target, draft, prompt=prompt, max_new_tokens=4, ngram=False, draft_cost=0.25, verify_cost=0.03)
+    assert torch.equal(out.sequences, plain)
+    assert out.acceptance.draft_forwards == 0 and out.acceptance.plain_rounds == 4
+    out = spec(target, draft, prompt=prompt[:, :40], max_new_tokens=4, ngram=False, draft_cost=0.25, verify_cost=0.03)
+    assert out.acceptance.draft_forwards > 0  # a short prompt's prefill pays
+
+
+def _forward_widths(model):
+    widths = []
+    model.register_forward_pre_hook(lambda m, a, kw: widths.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    return widths
+
+
+def test_draft_window_reads_only_the_last_tokens_of_the_prompt(arch):
+    """The windowed draft's q equals that of the same draft given only the window: the zero columns in
+    front of its cache are invisible (were they attended, q would differ)."""
+    draft = tiny_model(arch, seed=12)
+    prompt = torch.randint(2, 64, (1, 30), generator=torch.Generator().manual_seed(1))
+    rows = [0]
+    widths = _forward_widths(draft)
+
+    def proposal(drafter, ids):
+        request = DraftRequest(ids, None, Prefixes.from_tensor(ids, rows), max_tokens=4)
+        return drafter.propose(request)
+
+    windowed = DraftModelDrafter(draft, None, do_sample=True, generator=torch.Generator().manual_seed(5), window=8)
+    seen = proposal(windowed, prompt)
+    assert widths[0] == 8 and windowed.cache.get_seq_length() == 30 + 3 and windowed.hidden == 22
+    alone = DraftModelDrafter(draft, None, do_sample=True, generator=torch.Generator().manual_seed(5))
+    reference = proposal(alone, prompt[:, -8:])
+    assert torch.equal(seen.tokens, reference.tokens)
+    torch.testing.assert_close(seen.draft_probs, reference.draft_probs)
+    # The next round feeds the accepted tokens only, still blind to the hidden head.
+    longer = torch.cat([prompt, seen.tokens[:, :2]], dim=1)
+    rollback([windowed.cache], 31)
+    rollback([alone.cache], 9)
+    torch.testing.assert_close(proposal(windowed, longer).draft_probs, proposal(alone, longer[:, -10:]).draft_probs)
+    with pytest.raises(ValueError, match="one row"):
+        DraftModelDrafter(draft, None, do_sample=False, window=8).start(2)
+
+
+def test_generate_with_a_draft_window_is_greedy_exact(arch):
+    target = tiny_model(arch, seed=13)
+    draft = perturbed(target, noise=0.1)
+    prompt = torch.cat([torch.randint(2, 64, (1, 50), generator=torch.Generator().manual_seed(2)), REPEATING], dim=1)
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    widths = _forward_widths(draft)
+    out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_window=16, draft_cost=0.1, verify_cost=0.03)
+    assert torch.equal(out.sequences, plain)
+    assert widths and widths[0] == 16 and out.acceptance.accepted > 0
+    with pytest.raises(ValueError, match="one row"):
+        target.generate(torch.cat([prompt, prompt]), custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                        do_sample=False, max_new_tokens=4, draft_window=16)
+    with pytest.raises(ValueError, match="draft_window"):
+        hf_specdec.SpeculativeConfig(draft_window=0)

@@ -113,6 +113,11 @@ class Drafter(ABC):
     def propose(self, request: DraftRequest) -> Proposal:
         """Up to request.max_tokens draft tokens per row."""
 
+    def prefill_tokens(self, width: int) -> int:
+        """Tokens this source must encode before it can propose for a sequence of `width` tokens
+        (a draft model's prompt, while its cache is empty); the cost model counts them. 0 once warm."""
+        return 0
+
     def update(self, ids: torch.Tensor, target_scores: torch.Tensor, num_accepted: int) -> None:
         """After verification: the work sequence `ids` [rows, seq] now ends with the accepted tokens
         and each row's extra token; `target_scores` [rows, n, vocab] are the target's processed

@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from ..cache import extend, new_cache, rollback
+from ..cache import extend, hide_prefix, new_cache, rollback
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
@@ -75,6 +75,11 @@ class DraftModelDrafter(Drafter):
     Sampling: each token is drawn from q, and q is returned (`Proposal.draft_probs`). Greedy: each
     token is the argmax, a point mass (`draft_probs=None`). The draft's probability of each token
     (`Proposal.confidences`) is computed only when the cost model asks for it (`keep_drafting`).
+
+    `window`: the draft encodes only the last `window` tokens of the sequence it first sees (the
+    prompt) and everything after them, so a long prompt's draft prefill costs `window` tokens. Its
+    cache still has the sequence's length (zero columns in front, masked out in every forward).
+    Exact like any draft: q is whatever the draft computed. Single-row batches only.
     """
 
     source = DRAFT
@@ -86,6 +91,7 @@ class DraftModelDrafter(Drafter):
         do_sample: bool,
         generator: torch.Generator | None = None,
         vocabulary: torch.Tensor | None = None,  # [subset] token ids the draft may propose; None: all
+        window: int | None = None,  # encode only the last `window` prompt tokens (None: all of them)
     ):
         self.model = model
         self.logits_processor = logits_processor
@@ -93,11 +99,36 @@ class DraftModelDrafter(Drafter):
         self.generator = generator
         self.vocab = model.get_output_embeddings().weight.shape[0]
         self.head = None if vocabulary is None else VocabularySubsetHead(model.get_output_embeddings(), vocabulary, self.vocab)
+        if window is not None and window < 1:
+            raise ValueError(f"the draft window must be a positive number of tokens, got {window}")
+        self.window = window
         self.start(1)
 
     def start(self, batch_size: int) -> None:
+        if self.window is not None and batch_size > 1:
+            raise ValueError(f"a draft window (draft_window={self.window}) works on one row at a time; got a batch of {batch_size}")
         self.cache = new_cache(self.model)
         self.processors = RowProcessors(self.logits_processor, batch_size)
+        self.hidden = 0  # zero columns in front of the cache (a windowed prompt)
+
+    def prefill_tokens(self, width: int) -> int:
+        if self.cache.get_seq_length():
+            return 0
+        return width if self.window is None else min(width, self.window)
+
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [rows, vocab]
+        """The draft's raw logits after `ids`, feeding what its cache lacks (the prompt, or its last
+        `window` tokens, on the first call)."""
+        if self.window is not None and not self.cache.get_seq_length() and ids.shape[1] > self.window:
+            self.hidden = ids.shape[1] - self.window
+            window_mask = None if mask is None else mask[:, self.hidden :]
+            logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=1, head=self.head)
+            hide_prefix(self.cache, self.hidden)
+            return logits[:, -1]
+        if self.hidden:
+            mask = torch.ones_like(ids) if mask is None else mask.clone()
+            mask[:, : self.hidden] = 0
+        return extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]
 
     def propose(self, request: DraftRequest) -> Proposal:
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
@@ -105,7 +136,7 @@ class DraftModelDrafter(Drafter):
         for _ in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
-            logits = extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]  # [rows, vocab]
+            logits = self._logits(ids, mask)  # [rows, vocab]
             token, q, confidence, runner_up = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
             tokens.append(token)
             probs.append(q)
@@ -208,3 +239,6 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         return self.drafter.propose(request)
+
+    def prefill_tokens(self, width: int) -> int:
+        return self.drafter.prefill_tokens(width)

@@ -34,7 +34,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import RaggedBatch
-from .cache import UnsupportedCacheError, can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
+from .cache import can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
 from .config import SpeculativeConfig
 from .policy import DraftPolicy, PolicySettings
 from .proposals import (
@@ -451,7 +451,7 @@ def _start(
     # A foreign generator is used as it is, every round; our drafters take part in the cost model.
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
-        draft_cost=config.draft_cost, verify_cost=config.verify_cost,
+        draft_cost=config.draft_cost, verify_cost=config.verify_cost, rows=rows,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or lookup is not None)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
@@ -485,13 +485,10 @@ def _drafter(
     if config.draft_vocab_size is not None:
         vocab = assistant.get_output_embeddings().weight.shape[0]
         vocabulary = _draft_vocabulary(config.draft_vocab_size, vocab, input_ids, generation_config)
+    # The window needs full-attention layers (zero columns hidden by the mask) and a single row.
+    window = config.draft_window if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]) else None
     drafter = DraftModelDrafter(assistant, draft_processor, bool(generation_config.do_sample), generator, vocabulary,
-                                window=config.draft_window)
-    if config.draft_window is not None and not can_gather([drafter.cache]):
-        raise UnsupportedCacheError(
-            "draft_window needs a draft whose cache layers are all full attention; this draft has "
-            "sliding-window or linear-attention layers. Leave draft_window unset."
-        )
+                                window=window)
     return drafter, False
 
 

@@ -63,6 +63,9 @@ class PolicySettings:
     # d before two verify widths have been timed: memory-bound verification, where 8 tokens cost about
     # 1.2 one-token steps (a 1.5B model on 2 CPU cores); the online fit replaces it within a few rounds.
     prior_verify_cost: float = 0.03
+    # Rows in the batch: before the fit, one more verify column costs `rows` tokens of target compute,
+    # d = prior_verify_cost x rows (measured, evals/results/batch-widths: 0.12 at batch 4, 0.20 at 8).
+    rows: int = 1
     # rho: draft prefill time over the target's for the same tokens. Measured on the real pair (0.5B
     # int8 draft, 1.5B target, 2 CPU cores, 380-1300-token prompts): 0.31-0.37.
     prefill_ratio: float = 0.35
@@ -137,7 +140,7 @@ class DraftPolicy:
         if self.settings.verify_cost is not None:
             return self.settings.verify_cost
         fit = self._fit()
-        return self.settings.prior_verify_cost if fit is None else fit[1]
+        return min(1.0, self.settings.prior_verify_cost * self.settings.rows) if fit is None else fit[1]
 
     @property
     def target_step_seconds(self) -> float | None:
@@ -263,8 +266,9 @@ class DraftPolicy:
 
     def stop_rule(self, rows: int) -> Callable[[list[float]], bool] | None:
         """A fresh `keep_drafting(confidences)` for one round of `rows` rows: after each drafted token
-        (given, per row, the draft's probability of it), whether to draft another. None when not
-        adaptive (draft max_draft_tokens)."""
+        (given, per row, the draft's probability of it), whether to draft another, for the batch as a
+        whole (tokens summed over rows, per unit of the batch's cost). None when not adaptive (draft
+        max_draft_tokens)."""
         if not self.settings.adaptive:
             return None
         p_all, expected, drafted = [1.0] * rows, [1.0] * rows, [0]
@@ -276,9 +280,9 @@ class DraftPolicy:
             for r, conf in enumerate(confidences):
                 p_all[r] *= self.calibrated(conf)
                 expected[r] += p_all[r]
-            return any(
-                p * self.state.token_acceptance / step > e / (1 + j * step) for p, e in zip(p_all, expected)
-            )
+            # The batch pays one draft forward and one verify column for every row: one more token
+            # is drafted when the rows' summed expected gain beats the batch's rate so far.
+            return sum(p_all) * self.state.token_acceptance / step > sum(expected) / (1 + j * step)
 
         return keep_drafting
 

@@ -293,8 +293,11 @@ def test_generate_with_a_draft_window_is_greedy_exact(arch):
     out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_window=16, draft_cost=0.1, verify_cost=0.03)
     assert torch.equal(out.sequences, plain)
     assert widths and widths[0] == 16 and out.acceptance.accepted > 0
-    with pytest.raises(ValueError, match="one row"):
-        target.generate(torch.cat([prompt, prompt]), custom_generate=hf_specdec.speculative_generate, assistant=draft,
-                        do_sample=False, max_new_tokens=4, draft_window=16)
+    # A batch's draft encodes the whole prompt (the window is for single rows).
+    widths.clear()
+    batch = torch.cat([prompt, prompt])
+    out = target.generate(batch, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+                          max_new_tokens=4, draft_window=16, draft_cost=0.1, verify_cost=0.03)
+    assert torch.equal(out, target.generate(batch, do_sample=False, max_new_tokens=4)) and widths[0] == prompt.shape[1]
     with pytest.raises(ValueError, match="draft_window"):
         hf_specdec.SpeculativeConfig(draft_window=0)

@@ -54,8 +54,13 @@ def speculative_sampling(
     draft_probs: torch.Tensor | None,  # [batch, k, vocab]: q, the distribution each x_i was drawn from; None: point masses
     target_probs: torch.Tensor,  # [batch, k + 1, vocab]: p at every drafted position, plus one
     generator: torch.Generator | None = None,
+    lengths: torch.Tensor | None = None,  # [batch] int64: row b proposed its first lengths[b] tokens only; None: all k
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Stochastic verification (Leviathan et al. 2023, Algorithm 1), batched over rows.
+
+    Per-row lengths: row b's drafts past lengths[b] are padding, never accepted, and when its
+    lengths[b] drafts are all accepted its extra token is the bonus, from p at position lengths[b]
+    (q is not subtracted there: nothing was proposed). A row of length 0 is a plain step.
 
     Returns:
         num_accepted:   [batch] int64, in 0..k.
@@ -64,9 +69,9 @@ def speculative_sampling(
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
-    accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms)  # [batch, k]
+    accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]: length of accepted prefix
-    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator)
+    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator, lengths)
     return num_accepted, _assemble(draft_tokens, num_accepted, extra_token)
 
 
@@ -76,6 +81,7 @@ def lazy_speculative_sampling(
     target_probs_at: TargetProbsAt,  # (start, stop) -> p at positions [start, stop): [batch, stop - start, vocab]
     generator: torch.Generator | None = None,
     first_chunk: int = 4,
+    lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths, as in `speculative_sampling`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`speculative_sampling` with p computed only as far as it matters.
 
@@ -95,6 +101,7 @@ def lazy_speculative_sampling(
     """
     batch, k = draft_tokens.shape
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
+    proposed = _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = torch.full((batch,), k, dtype=torch.long, device=draft_tokens.device)
     decided = torch.zeros(batch, dtype=torch.bool, device=draft_tokens.device)
     chunks, start, size = [], 0, first_chunk
@@ -106,6 +113,7 @@ def lazy_speculative_sampling(
         tested = min(stop, k)  # draft positions start..tested-1 are tested against this chunk
         q = None if draft_probs is None else draft_probs[:, start:tested]
         accepted = _accepts(draft_tokens[:, start:tested], q, chunks[-1], uniforms[:, start:tested])  # [batch, tested - start]
+        accepted &= proposed[:, start:tested]
         first_rejection = start + accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
         newly = ~decided & (first_rejection < tested)
         num_accepted = torch.where(newly, first_rejection, num_accepted)
@@ -114,13 +122,14 @@ def lazy_speculative_sampling(
             break
         start, size = stop, 2 * size
     target_probs = chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=1)  # [batch, stop, vocab]
-    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator)
+    extra_token = _extra_token(draft_tokens, draft_probs, target_probs, num_accepted, generator, lengths)
     return num_accepted, _assemble(draft_tokens, num_accepted, extra_token), target_probs
 
 
 def greedy_verification(
     draft_tokens: torch.Tensor,  # [batch, k] int64
     target_scores: torch.Tensor,  # [batch, k + 1, vocab]: processed target scores (argmax is taken)
+    lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths, as in `speculative_sampling`
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept while the draft token is the target's argmax, then emit the
     target's argmax at the first disagreement (or at position k + 1 when all agree).
@@ -129,10 +138,18 @@ def greedy_verification(
     """
     _check_shapes(draft_tokens, target_scores)
     target_argmax = target_scores.argmax(dim=-1)  # [batch, k + 1]
-    agree = draft_tokens == target_argmax[:, :-1]  # [batch, k]
+    agree = (draft_tokens == target_argmax[:, :-1]) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
     rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
     return num_accepted, _assemble(draft_tokens, num_accepted, target_argmax[rows, num_accepted])
+
+
+def _proposed(draft_tokens: torch.Tensor, lengths: torch.Tensor | None) -> torch.Tensor:  # [batch, k] bool
+    """Which draft positions each row really proposed (all of them without `lengths`)."""
+    if lengths is None:
+        return torch.ones_like(draft_tokens, dtype=torch.bool)
+    positions = torch.arange(draft_tokens.shape[1], device=draft_tokens.device)
+    return positions[None, :] < lengths[:, None]
 
 
 def _uniforms(draft_tokens: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:  # [batch, k]
@@ -161,13 +178,15 @@ def _extra_token(
     target_probs: torch.Tensor,  # [batch, > max(num_accepted), vocab]
     num_accepted: torch.Tensor,  # [batch]
     generator: torch.Generator | None,
+    lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths (None: k)
 ) -> torch.Tensor:  # [batch]
     """The one extra token: from the residual normalize(max(0, p - q)) at the first rejected position,
-    or from p itself at position k (bonus), where q is taken as zero so the residual *is* p."""
+    or from p itself at the row's last proposed position + 1 (bonus), where q is taken as zero so the
+    residual *is* p."""
     batch, k = draft_tokens.shape
     rows = torch.arange(batch, device=draft_tokens.device)
     p_n = target_probs[rows, num_accepted].float()  # [batch, vocab]
-    rejected = num_accepted < k  # [batch]: False at the bonus position
+    rejected = num_accepted < (k if lengths is None else lengths)  # [batch]: False at the bonus position
     if draft_probs is None:
         # q = one-hot(x): max(0, p - q) is p with x's entry zeroed.
         x_n = torch.nn.functional.pad(draft_tokens, (0, 1))[rows, num_accepted]  # [batch]
@@ -175,7 +194,7 @@ def _extra_token(
         residual = torch.where(rejected[:, None], residual, p_n)
     else:
         q_n = torch.nn.functional.pad(draft_probs.float(), (0, 0, 0, 1))[rows, num_accepted]  # [batch, vocab]
-        residual = (p_n - q_n).clamp_min(0.0)
+        residual = torch.where(rejected[:, None], (p_n - q_n).clamp_min(0.0), p_n)
     mass = residual.sum(dim=-1, keepdim=True)  # [batch, 1]
     # Guard (departure from the paper, see module docstring): zero residual -> sample from p.
     extra_dist = torch.where(mass > RESIDUAL_EPS, residual / mass.clamp_min(RESIDUAL_EPS), p_n)

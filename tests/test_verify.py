@@ -256,3 +256,69 @@ def test_stats_count_reached_positions_up_to_the_first_rejection():
     assert stats.per_position_rate == [2 / 3, 1 / 2, 1.0, 1.0]
     assert stats.token_acceptance == 5 / 7
     assert stats.merge(stats).reached_per_position == [6, 4, 2, 2]
+
+
+# ---------------------------------------------------------------- per-row proposal lengths
+
+
+def _rows_of_lengths(seed: int, samples: int, k: int = 3, vocab: int = 5):
+    """`samples` rows, lengths cycling 0..k; drafts past a row's length are padding drawn from a
+    garbage distribution (which must never matter)."""
+    gen = torch.Generator().manual_seed(seed)
+    target = torch.softmax(torch.randn(1, k + 1, vocab, generator=gen) * 1.5, -1).expand(samples, -1, -1)
+    draft = torch.softmax(torch.randn(1, k, vocab, generator=gen) * 1.5, -1)
+    garbage = torch.softmax(torch.randn(1, k, vocab, generator=gen) * 3.0, -1)
+    lengths = torch.arange(samples) % (k + 1)
+    proposed = torch.arange(k)[None, :] < lengths[:, None]  # [samples, k]
+    q = torch.where(proposed[..., None], draft, garbage)  # [samples, k, vocab]
+    tokens = torch.multinomial(q.reshape(-1, vocab), 1, generator=gen).reshape(samples, k)
+    return target, q, tokens, lengths, gen
+
+
+def _law_by_length(n, emitted, target, q, lengths):
+    """For each length L: (first token ~ p_0), (the token after an all-accepted prefix of a short row
+    ~ p_L: the bonus), and the law of the accepted count; returns the smallest p-value."""
+    pvalues = []
+    for length in range(q.shape[1] + 1):
+        rows = lengths == length
+        pvalues.append(chi_square(torch.bincount(emitted[rows, 0], minlength=q.shape[-1]), target[0, 0]).pvalue)
+        beta = torch.minimum(target[0, :length], q[rows][0, :length]).sum(-1).double()
+        survive = torch.cat([torch.ones(1, dtype=torch.float64), beta.cumprod(0)])
+        law = torch.cat([survive[:-1] - survive[1:], survive[-1:]])
+        assert int(n[rows].max()) <= length
+        pvalues.append(chi_square(torch.bincount(n[rows], minlength=length + 1), law).pvalue)
+        if length:
+            full = rows & (n == length)
+            pvalues.append(chi_square(torch.bincount(emitted[full, length], minlength=q.shape[-1]), target[0, length]).pvalue)
+    return min(pvalues)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_per_row_lengths_zero_included_keep_the_law(lazy):
+    target, q, tokens, lengths, gen = _rows_of_lengths(seed=3, samples=160_000)
+    assert (lengths == 0).any()
+    if lazy:
+        n, emitted, _ = lazy_speculative_sampling(tokens, q, lambda a, b: target[:, a:b], gen, first_chunk=2, lengths=lengths)
+    else:
+        n, emitted = speculative_sampling(tokens, q, target, gen, lengths=lengths)
+    assert _law_by_length(n, emitted, target, q, lengths) > ALPHA / 20  # Bonferroni over the 10 tests
+
+
+def test_per_row_lengths_broken_variant_is_detected(monkeypatch):
+    """The extra token of a short row drawn as a residual against its padding (lengths ignored there)."""
+    from hf_specdec import verify
+
+    original = verify._extra_token
+    monkeypatch.setattr(verify, "_extra_token", lambda d, q, p, n, g, lengths=None: original(d, q, p, n, g, None))
+    target, q, tokens, lengths, gen = _rows_of_lengths(seed=3, samples=160_000)
+    n, emitted = speculative_sampling(tokens, q, target, gen, lengths=lengths)
+    assert _law_by_length(n, emitted, target, q, lengths) < 1e-9
+
+
+def test_greedy_with_lengths_never_accepts_padding():
+    scores = one_hot([[1, 2, 3], [1, 2, 3]], 4).log()  # argmax 1, 2, 3 at the three positions
+    drafts = torch.tensor([[1, 2], [1, 2]])  # both rows' tokens agree, but row 1 proposed only its first
+    n, emitted = greedy_verification(drafts, scores, lengths=torch.tensor([2, 1]))
+    assert n.tolist() == [2, 1] and emitted.tolist() == [[1, 2, 3], [1, 2, PAD_TOKEN]]
+    n, emitted = greedy_verification(drafts, scores, lengths=torch.tensor([0, 0]))
+    assert n.tolist() == [0, 0] and emitted[:, 0].tolist() == [1, 1]

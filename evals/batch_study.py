@@ -1,14 +1,16 @@
-"""Batched greedy throughput: plain batched decoding against hf_specdec at several batch sizes.
+"""Batched throughput: plain batched decoding against hf_specdec at several batch sizes, greedy and sampling.
 
-    python evals/batch_study.py --batch-sizes 1 4 8 --out runs/batch     # real pair, ~6 min on 2 CPU cores
+    python evals/batch_study.py --out runs/batch     # real pair, batch 1-16, both modes: ~20 min on 2 CPU cores
     python evals/batch_study.py --target tiny --draft tiny --batch-sizes 1 2 4 --max-new-tokens 10 --out runs/tiny-batch
 
 Short prompts (Spec-Bench's shorter tasks and HumanEval), round-robin over the categories so that
-every batch mixes them, as many as the largest batch. At each batch size the prompts are cut into
-batches, left-padded, and each batch runs plain decoding then hf_specdec (interleaved batch by batch).
-Throughput counts each row's generated tokens up to and including its EOS; the padding after a
-finished row is not work. Also checks that every batched hf_specdec output equals plain batched
-greedy. Writes <out>/batch_throughput.json and <out>/batch_throughput.md.
+every batch mixes them. At each batch size the prompts (`--prompts-per-size`, or the batch size if
+larger) are cut into batches, left-padded, and each batch runs plain decoding then hf_specdec
+(interleaved batch by batch; sampling: T = 0.7, top-p 0.95, both seeded alike). Throughput counts
+each row's generated tokens up to and including its EOS; the padding after a finished row is not
+work. Greedy: checks that every batched hf_specdec output equals plain batched greedy. Also records
+the per-row proposal lengths (each row's tokens proposed per round, 0 = a plain step for that row)
+and their sources. Writes <out>/batch_throughput.json, .md and .png (throughput against batch size).
 """
 
 from __future__ import annotations
@@ -60,21 +62,40 @@ def _generated_length(row: torch.Tensor, eos_id, pad_id) -> int:
     return len(tokens)
 
 
-def _timed_generate(target, ids, mask, pad_id, max_new_tokens, spec: dict | None):
-    """(sequences (batch, width + new), seconds, AcceptanceStats or None): plain greedy when `spec`
+MODES = {"greedy": dict(do_sample=False), "sampling": dict(do_sample=True, temperature=0.7, top_p=0.95)}
+
+
+def _timed_generate(target, ids, mask, pad_id, max_new_tokens, mode: dict, spec: dict | None, seed: int):
+    """(sequences (batch, width + new), seconds, AcceptanceStats or None): plain decoding when `spec`
     is None, else hf_specdec with the keyword arguments in `spec`. ids, mask: (batch, width)."""
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_id)
+    kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=pad_id, **mode)
     if spec is not None:
         kwargs.update(spec, custom_generate=hf_specdec.speculative_generate, return_dict_in_generate=True)
+    torch.manual_seed(seed)
     start = time.perf_counter()
     out = target.generate(ids, attention_mask=mask, **kwargs)
     seconds = time.perf_counter() - start
     return (out, seconds, None) if spec is None else (out.sequences, seconds, out.acceptance)
 
 
-def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens) -> list[dict]:
-    """Greedy throughput (generated tokens / second) of plain batched decoding and hf_specdec at each
-    batch size, over the same prompts, the two interleaved batch by batch."""
+def length_distribution(records) -> dict:
+    """Per-row proposal lengths over every row-round: mean, share at 0, quantiles, share by source."""
+    lengths = sorted(len(r.draft_tokens) for r in records)
+    if not lengths:
+        return {}
+    sources = {}
+    for r in records:
+        sources[r.source] = sources.get(r.source, 0) + 1
+    pick = lambda q: lengths[min(len(lengths) - 1, int(q * len(lengths)))]  # noqa: E731
+    return dict(row_rounds=len(lengths), mean=sum(lengths) / len(lengths), zero_share=lengths.count(0) / len(lengths),
+                p50=pick(0.5), p90=pick(0.9), max=lengths[-1],
+                source_share={k: v / len(lengths) for k, v in sorted(sources.items())})
+
+
+def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens,
+                     modes=("greedy",), prompts_per_size: int | None = None) -> list[dict]:
+    """Throughput (generated tokens / second) of plain batched decoding and hf_specdec at each batch
+    size and mode, over the same prompts, the two interleaved batch by batch."""
     from tqdm.auto import tqdm
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -82,39 +103,79 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
     if num_draft_tokens is not None:
         spec["num_draft_tokens"] = num_draft_tokens
     rows = []
-    for size in batch_sizes:
-        tokens, seconds = {"plain": 0, "hf_specdec": 0}, {"plain": 0.0, "hf_specdec": 0.0}
-        match, acceptance = True, []
-        chunks = [prompts[i : i + size] for i in range(0, len(prompts) - size + 1, size)]
-        for chunk in tqdm(chunks, desc=f"batch {size}"):
-            ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
-            outputs = {}
-            for method, kwargs in (("plain", None), ("hf_specdec", spec)):
-                seqs, took, stats = _timed_generate(target, ids, mask, pad_id, max_new_tokens, kwargs)
-                new = seqs[:, ids.shape[1] :]  # (batch, new)
-                tokens[method] += sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new)
-                seconds[method] += took
-                outputs[method] = seqs
-                if stats is not None:
-                    acceptance.append(stats)
-            match &= torch.equal(outputs["plain"], outputs["hf_specdec"])
-        merged = functools.reduce(hf_specdec.AcceptanceStats.merge, acceptance)
-        rows.append(dict(
-            batch_size=size, prompts=len(chunks) * size, plain_tokens_per_s=tokens["plain"] / seconds["plain"],
-            hf_specdec_tokens_per_s=tokens["hf_specdec"] / seconds["hf_specdec"],
-            ratio=speedup_over_plain(tokens["hf_specdec"], seconds["hf_specdec"], tokens["plain"], seconds["plain"]),
-            acceptance_rate=merged.acceptance_rate, all_match_plain=bool(match),
-        ))
+    for mode_name in modes:
+        mode = MODES[mode_name]
+        for size in batch_sizes:
+            count = len(prompts) if not prompts_per_size else max(size, min(prompts_per_size, len(prompts)))
+            tokens, seconds = {"plain": 0, "hf_specdec": 0}, {"plain": 0.0, "hf_specdec": 0.0}
+            match, acceptance, records = True, [], []
+            chunks = [prompts[i : i + size] for i in range(0, count - size + 1, size)]
+            for n, chunk in enumerate(tqdm(chunks, desc=f"{mode_name} batch {size}")):
+                ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
+                outputs = {}
+                for method, kwargs in (("plain", None), ("hf_specdec", dict(spec, acceptance_sink=records.append))):
+                    seqs, took, stats = _timed_generate(target, ids, mask, pad_id, max_new_tokens, mode, kwargs, seed=n)
+                    new = seqs[:, ids.shape[1] :]  # (batch, new)
+                    tokens[method] += sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new)
+                    seconds[method] += took
+                    outputs[method] = seqs
+                    if stats is not None:
+                        acceptance.append(stats)
+                match &= torch.equal(outputs["plain"], outputs["hf_specdec"])
+            merged = functools.reduce(hf_specdec.AcceptanceStats.merge, acceptance)
+            rows.append(dict(
+                mode=mode_name, batch_size=size, prompts=len(chunks) * size,
+                plain_tokens_per_s=tokens["plain"] / seconds["plain"],
+                hf_specdec_tokens_per_s=tokens["hf_specdec"] / seconds["hf_specdec"],
+                ratio=speedup_over_plain(tokens["hf_specdec"], seconds["hf_specdec"], tokens["plain"], seconds["plain"]),
+                acceptance_rate=merged.acceptance_rate, all_match_plain=bool(match) if mode_name == "greedy" else None,
+                lengths=length_distribution(records),
+            ))
     return rows
 
 
 def batch_table(rows) -> str:
-    lines = ["| batch size | prompts | plain tok/s | hf_specdec tok/s | hf_specdec / plain | acceptance | greedy match |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | batch size | prompts | plain tok/s | hf_specdec tok/s | hf_specdec / plain | acceptance | "
+             "row length mean / p50 / p90 | rows at 0 | rows by source | greedy match |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        lines.append(f"| {r['batch_size']} | {r['prompts']} | {r['plain_tokens_per_s']:.2f} | {r['hf_specdec_tokens_per_s']:.2f} | "
-                     f"{r['ratio']:.2f}x | {r['acceptance_rate']:.2f} | {'yes' if r['all_match_plain'] else 'NO'} |")
+        d = r.get("lengths") or {}
+        shares = ", ".join(f"{k} {v:.0%}" for k, v in d.get("source_share", {}).items())
+        match = "-" if r.get("all_match_plain") is None else "yes" if r["all_match_plain"] else "NO"
+        lengths = f"{d['mean']:.1f} / {d['p50']} / {d['p90']}" if d else "-"
+        zero = f"{d['zero_share']:.0%}" if d else "-"
+        lines.append(f"| {r.get('mode', 'greedy')} | {r['batch_size']} | {r['prompts']} | {r['plain_tokens_per_s']:.2f} | "
+                     f"{r['hf_specdec_tokens_per_s']:.2f} | {r['ratio']:.2f}x | {r['acceptance_rate']:.2f} | {lengths} | "
+                     f"{zero} | {shares} | {match} |")
     return "\n".join(lines)
+
+
+def plot_throughput(rows, path: Path) -> None:
+    """Tokens per second against batch size, plain and hf_specdec, one panel per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(dict.fromkeys(r.get("mode", "greedy") for r in rows))
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 4), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        mine = [r for r in rows if r.get("mode", "greedy") == mode]
+        sizes = [r["batch_size"] for r in mine]
+        ax.plot(sizes, [r["plain_tokens_per_s"] for r in mine], "o-", label="plain batched")
+        ax.plot(sizes, [r["hf_specdec_tokens_per_s"] for r in mine], "s-", label="hf_specdec")
+        for r in mine:
+            ax.annotate(f"{r['ratio']:.2f}x", (r["batch_size"], r["hf_specdec_tokens_per_s"]), textcoords="offset points",
+                        xytext=(0, 6), ha="center", fontsize=8)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("generated tokens / s")
+        ax.set_title(mode)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def run_batch_study(args: argparse.Namespace) -> list[dict]:
@@ -125,16 +186,18 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     draft = drafts_by_precision(draft, args.draft_bits)["hf"]
     prompts = batch_prompts(tokenizer, args.categories, max(args.batch_sizes))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
-    rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens)
+    rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
+                            modes=args.modes, prompts_per_size=args.prompts_per_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
-                  torch_threads=torch.get_num_threads())
+                  torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size)
     (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows), indent=2))
     table = batch_table(rows)
-    title = f"Batched greedy throughput ({len(prompts)} prompts, {args.max_new_tokens} new tokens)"
-    (out / "batch_throughput.md").write_text(f"# {title}\n\n{table}\n")
+    title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
+    (out / "batch_throughput.md").write_text(f"# {title}\n\n{table}\n\n![throughput](batch_throughput.png)\n")
+    plot_throughput(rows, out / "batch_throughput.png")
     print(table)
     return rows
 
@@ -143,7 +206,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
     parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
-    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 8], metavar="N")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    parser.add_argument("--prompts-per-size", type=int, default=8,
+                        help="prompts run at each batch size (at least one batch; 0: as many as the largest batch)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,

@@ -43,9 +43,9 @@ class SpeculativeConfig:
     draft_vocab_size: int | None = None
     # The draft encodes only the last `draft_window` tokens of the prompt (and everything generated
     # after it): a long prompt's draft prefill then costs `draft_window` tokens, at some cost in
-    # acceptance where the draft needed the rest (on the real pair's 650-870-token summarization and
-    # RAG prompts, 256 was faster than the whole prompt in all four greedy/sampling cells:
-    # evals/results/draft-prefill). Single-row calls only; a batch's draft encodes the whole prompt.
+    # acceptance where the draft needed the rest (on the real pair's 380-1300-token summarization and
+    # RAG prompts, 256 beat the whole prompt in wall clock in all four greedy/sampling cells, modelled
+    # in three: evals/results/draft-prefill). Single-row calls only; a batch's draft reads the whole prompt.
     # None: the whole prompt. Exact either way (q is whatever the draft computed).
     draft_window: int | None = 256
     # Pin the draft/target step cost ratio c instead of measuring it online.

@@ -149,7 +149,7 @@ class DecodeState:
     batch: RaggedBatch  # work sequence with holes, mask, active rows, each row's generated tokens
     processors: RowProcessors  # the target's logits-processor pipeline, per row
     drafter: Drafter  # the draft source: the draft model, or the user's
-    lookup: NgramDrafter | None  # n-gram lookup for hybrid drafts (single row), or None
+    lookup: NgramDrafter | None  # n-gram lookup for hybrid drafts (per row in a batch), or None
     trees: bool  # rounds propose trees of candidates (one row, full-attention caches, config.tree)
     policy: DraftPolicy  # the cost model
     config: SpeculativeConfig
@@ -207,6 +207,8 @@ def propose(state: DecodeState) -> Proposal:
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room))
     if state.trees and room > 0:
         return dataclasses.replace(_propose_tree(state, request, room), seconds=state.clock.now() - start)
+    if state.lookup is not None and room > 0 and batch.size > 1:
+        return dataclasses.replace(_propose_rows(state, request, room), seconds=state.clock.now() - start)
     lookup = None
     if state.lookup is not None and room > 0:
         lookup = state.lookup.propose(dataclasses.replace(request, max_tokens=room))
@@ -219,6 +221,52 @@ def propose(state: DecodeState) -> Proposal:
     else:
         proposal = Proposal.nothing(batch.size, batch.ids.device)
     return dataclasses.replace(proposal, seconds=state.clock.now() - start)
+
+
+def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Proposal:
+    """A batch round with lookup: each row whose n-gram lookup is expected to beat the draft model
+    proposes its lookup (a point mass chain, its own length); the draft model runs for the batch if
+    any other row is to draft; rows left over propose nothing (length 0, a plain step inside the
+    same target forward). Verified with per-row lengths (`verify.speculative_sampling`)."""
+    policy, rows, device = state.policy, state.batch.size, request.ids.device
+    prefill = state.drafter.prefill_tokens(request.ids.shape[1])
+    draft = policy.should_draft(prefill, room)
+    draft_rate = policy.expected_draft_rate(prefill, room)
+    retrieved = {}
+    for r, tokens in enumerate(state.lookup.lookup_rows(dataclasses.replace(request, max_tokens=room))):
+        length, rate = policy.ngram_length(tokens.numel()) if tokens.numel() else (0, 0.0)
+        if length and (not draft or rate >= draft_rate):
+            retrieved[r] = tokens[:length]
+    chain = None
+    if draft and len(retrieved) < rows:
+        chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(rows)))
+    if not retrieved:
+        return chain if chain is not None else Proposal.nothing(rows, device)
+    drafted = 0 if chain is None else chain.num_tokens
+    k = max([drafted] + [t.numel() for t in retrieved.values()])
+    tokens = torch.zeros((rows, k), dtype=torch.long, device=device)
+    lengths, sources = [], []
+    q = None
+    if chain is not None and chain.draft_probs is not None:  # sampled drafts: q per row, one-hot for lookups
+        q = torch.zeros((rows, k, chain.draft_probs.shape[-1]), dtype=chain.draft_probs.dtype, device=device)
+    for r in range(rows):
+        if r in retrieved:
+            row = retrieved[r]
+            if q is not None:
+                q[r, torch.arange(row.numel(), device=device), row] = 1.0
+            sources.append(NGRAM)
+        else:
+            row = tokens.new_empty(0) if chain is None else chain.tokens[r]
+            if q is not None:
+                q[r, :drafted] = chain.draft_probs[r]
+            sources.append(DRAFT if drafted else NONE)
+        tokens[r, : row.numel()] = row
+        lengths.append(row.numel())
+    return Proposal(
+        tokens=tokens, draft_probs=q, source=DRAFT if drafted else NGRAM,
+        confidences=None if chain is None else chain.confidences, forwards=0 if chain is None else chain.forwards,
+        lengths=torch.tensor(lengths, device=device), sources=sources,
+    )
 
 
 def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Proposal:
@@ -280,11 +328,11 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
             return logits_to_probs(scores[-1])
 
         num_accepted, emitted, target_probs = lazy_speculative_sampling(
-            drafts, proposal.draft_probs, target_probs_at, state.generator
+            drafts, proposal.draft_probs, target_probs_at, state.generator, lengths=proposal.lengths
         )
     else:
         scores.append(state.processors.positions(prefixes, drafts, logits))  # [rows, k + 1, vocab]
-        num_accepted, emitted = greedy_verification(drafts, scores[0])
+        num_accepted, emitted = greedy_verification(drafts, scores[0], lengths=proposal.lengths)
         target_probs = None
     host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the round's one device-to-host copy
     tokens = [row[1 : row[0] + 2] for row in host]
@@ -335,7 +383,11 @@ def commit(state: DecodeState, proposal: Proposal, verdict: Verdict) -> None:
         rollback([state.drafter.cache], state.batch.width + proposal.tree.chain_accepted(verdict.path))
         state.batch.append_round(verdict.emitted[:, :m], verdict.num_accepted, extra)
     else:
-        rollback(state.caches, state.batch.width + m)
+        rollback([state.cache], state.batch.width + m)
+        # Rows that proposed a lookup hold the draft's tokens in the draft's cache, not theirs: the
+        # draft re-reads the round's accepted tokens next time it runs.
+        mixed = proposal.sources is not None and proposal.forwards > 0
+        rollback([state.drafter.cache], state.batch.width + (0 if mixed else m))
         state.batch.append_round(proposal.tokens[:, :m], verdict.num_accepted, extra)
     state.drafter.update(state.batch.ids, verdict.target_scores, m)
 
@@ -361,21 +413,32 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
     """5. Statistics for the batch and each row, one record per row for the sink, and the cost model."""
     k, accepted = proposal.num_tokens, verdict.accepted
     for i, row in enumerate(state.batch.rows):
+        length = proposal.length(i)
         for counters in (state.stats, state.row_stats[row]):
-            counters.record(k, accepted[i], emission.counts[i])
+            counters.record(length, accepted[i], emission.counts[i])
         state.row_stats[row].rounds += 1
         if state.write_record is not None:
             state.write_record(RoundRecord(
-                round=state.stats.rounds, row=row, draft_tokens=proposal.tokens[i].tolist(),
+                round=state.stats.rounds, row=row, draft_tokens=proposal.tokens[i, :length].tolist(),
                 num_accepted=accepted[i], emitted_tokens=verdict.tokens[i][: emission.counts[i]],
                 expected_acceptance=_expected_acceptance(proposal, verdict, i),
-                draft_seconds=proposal.seconds, target_seconds=verdict.seconds, source=proposal.source,
+                draft_seconds=proposal.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
                 parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
-                accepted_from=_accepted_from(proposal, accepted[i], verdict.path),
+                accepted_from=_accepted_from(proposal, i, accepted[i], verdict.path),
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
     state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1)
-    if proposal.tree is None:
+    if proposal.sources is not None:  # a batch mixing sources: each source learns from its own rows
+        drafted = [i for i, source in enumerate(proposal.sources) if source == DRAFT]
+        if drafted:
+            confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in drafted]
+            state.policy.observe_round(DRAFT, proposal.length(drafted[0]), [accepted[i] for i in drafted], confidences)
+        for i, source in enumerate(proposal.sources):
+            if source == NGRAM:
+                state.policy.observe_round(NGRAM, proposal.length(i), [accepted[i]])
+        if not drafted:
+            state.policy.observe_round(NONE, 0, [])  # a round without the draft model (its probe count)
+    elif proposal.tree is None:
         state.policy.observe_round(proposal.source, k, accepted, proposal.confidences)
     else:
         tree = proposal.tree
@@ -411,13 +474,13 @@ def _first_stop(
     return len(tokens), False
 
 
-def _accepted_from(proposal: Proposal, accepted: int, path: list[int] | None) -> str:
+def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | None) -> str:
     """The source(s) of a row's accepted tokens: the proposal's source, or for a tree the draft model
     (its chain and its runners-up) and/or retrieval along the accepted path."""
     if not accepted:
         return ""
     if proposal.tree is None:
-        return proposal.source
+        return proposal.source_of(i)
     tree = proposal.tree
     sources = {DRAFT if j < tree.chain or not tree.retrieved[j] else NGRAM for j in path}
     return f"{DRAFT}+{NGRAM}" if len(sources) == 2 else sources.pop()
@@ -429,7 +492,7 @@ def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[f
     perhaps a few after it."""
     if verdict.target_probs is None or proposal.tree is not None:
         return None
-    n = min(proposal.num_tokens, verdict.target_probs.shape[1])
+    n = min(proposal.length(i), verdict.target_probs.shape[1])
     target_probs = verdict.target_probs[i, :n]  # [n, vocab]
     if proposal.draft_probs is None:
         return target_probs.gather(-1, proposal.tokens[i, :n, None])[:, 0].tolist()
@@ -446,7 +509,7 @@ def _start(
                                 generator, input_ids)
     drafter.start(rows)
     lookup = None
-    if config.ngram and not foreign and rows == 1:
+    if config.ngram and not foreign:
         lookup = NgramDrafter(config.ngram_max_size, config.ngram_min_size, config.ngram_max_tokens)
     # A foreign generator is used as it is, every round; our drafters take part in the cost model.
     policy = DraftPolicy(PolicySettings(
@@ -456,7 +519,7 @@ def _start(
     decides_on_time = policy.measures_time and (policy.settings.adaptive or lookup is not None)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
-    trees = config.tree and lookup is not None and unpadded and can_gather((cache, drafter.cache))
+    trees = config.tree and lookup is not None and rows == 1 and unpadded and can_gather((cache, drafter.cache))
     write_record, close_sink = open_sink(acceptance_sink)
     return DecodeState(
         model=model, cache=cache,

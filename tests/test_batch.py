@@ -48,7 +48,8 @@ def test_batched_greedy_matches_plain_batched_greedy_and_each_row_alone(arch, k)
     assert out.acceptance.accepted == sum(per_row)
 
 
-def test_rows_finishing_at_eos_in_different_rounds_are_padded_like_transformers(arch):
+@pytest.mark.parametrize("levers", [{}, {"adaptive": True, "ngram": True, "draft_cost": 0.05}], ids=["fixed-k", "per-row-sources"])
+def test_rows_finishing_at_eos_in_different_rounds_are_padded_like_transformers(arch, levers):
     target = tiny_model(arch, seed=32)
     draft = perturbed(target, noise=0.4)
     ids, mask = left_padded(PROMPTS)
@@ -61,8 +62,34 @@ def test_rows_finishing_at_eos_in_different_rounds_are_padded_like_transformers(
             firsts[tok] = steps
     eos = next(iter(sorted(firsts)))
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=PAD)
-    out = spec(target, draft, ids, mask, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=PAD)
+    out = spec(target, draft, ids, mask, do_sample=False, max_new_tokens=40, eos_token_id=eos, pad_token_id=PAD, **levers)
     assert torch.equal(out, plain)
+
+
+MIXED = [[1, 5, 9, 2, 1, 5, 9], [1, 8, 4], [7, 3, 7, 3, 7], [1, 3]]  # rows 0 and 2 repeat themselves
+
+
+@pytest.mark.parametrize("draft_cost", [0.05, 5.0])  # lookup rows beside draft rows; beside rows at length 0
+def test_rows_mixing_lookup_draft_and_plain_steps_match_plain_greedy(arch, draft_cost):
+    target = tiny_model(arch, seed=35)
+    draft = perturbed(target, noise=0.3)
+    ids, mask = left_padded(MIXED)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    records = []
+    out = spec(target, draft, ids, mask, do_sample=False, max_new_tokens=40, adaptive=True, ngram=True,
+               draft_cost=draft_cost, verify_cost=0.03, acceptance_sink=records.append)
+    assert torch.equal(out, plain)
+    rounds = {}
+    for r in records:
+        rounds.setdefault(r.round, {})[r.row] = r
+    other = "draft" if draft_cost < 1 else "none"
+    mixed = [rows for rows in rounds.values() if {"ngram", other} <= {r.source for r in rows.values()}]
+    assert mixed, "some round should verify a lookup row beside a row of the other kind"
+    for rows in mixed:  # each row proposes its own length; lookups are the rows' own continuations
+        for r in rows.values():
+            assert (len(r.draft_tokens) == 0) == (r.source == "none")
+    if draft_cost > 1:
+        assert all(r.source != "draft" for r in records)  # a draft this dear never runs
 
 
 def test_long_batched_generation_keeps_cache_bounded_and_exact():

@@ -139,15 +139,18 @@ def test_geometric_tokens_per_round():
 
 def test_batch_throughput_study_on_tiny_models(tmp_path):
     run([sys.executable, str(BATCH_STUDY), "--target", "tiny", "--draft", "tiny", "--batch-sizes", "1", "2", "4",
-         "--max-new-tokens", "10", "--threads", "1", "--out", str(tmp_path)])
+         "--max-new-tokens", "10", "--threads", "1", "--prompts-per-size", "0", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "batch_throughput.json").read_text())
-    assert [r["batch_size"] for r in result["rows"]] == [1, 2, 4]
+    assert [(r["mode"], r["batch_size"]) for r in result["rows"]] == [(m, b) for m in ("greedy", "sampling") for b in (1, 2, 4)]
     for row in result["rows"]:
-        assert row["prompts"] == 4 and row["all_match_plain"] is True
+        assert row["prompts"] == 4 and row["all_match_plain"] is (True if row["mode"] == "greedy" else None)
         assert row["plain_tokens_per_s"] > 0 and row["hf_specdec_tokens_per_s"] > 0
         assert row["ratio"] == pytest.approx(row["hf_specdec_tokens_per_s"] / row["plain_tokens_per_s"])
         assert 0 <= row["acceptance_rate"] <= 1
-    assert "| 4 | 4 |" in (tmp_path / "batch_throughput.md").read_text()
+        lengths = row["lengths"]
+        assert lengths["row_rounds"] > 0 and 0 <= lengths["zero_share"] <= 1 and sum(lengths["source_share"].values()) == pytest.approx(1)
+    assert "| greedy | 4 | 4 |" in (tmp_path / "batch_throughput.md").read_text()
+    assert (tmp_path / "batch_throughput.png").stat().st_size > 0
 
 
 def test_eval_end_to_end_on_tiny_models(tiny_eval, tmp_path):

@@ -296,7 +296,7 @@ def tree_kind(request, monkeypatch):
     or the draft model's chain with the retrieved branches merged in (forced: the draft's expected
     rate made unbeatable; a speed decision only)."""
     if request.param == "draft":
-        monkeypatch.setattr(hf_specdec.DraftPolicy, "expected_draft_rate", lambda self: float("inf"))
+        monkeypatch.setattr(hf_specdec.DraftPolicy, "expected_draft_rate", lambda self, *args: float("inf"))
     return request.param
 
 
@@ -318,7 +318,7 @@ def test_trees_of_candidates_are_exact(pair, tree_law, tree_kind):
 def test_broken_tree_rule_without_residuals_is_detected(pair, tree_law, monkeypatch):
     """Broken on purpose: every child tested against p itself. Run on draft-chain trees (which hold
     retrieved branches too); the retrieval-only trees reject it as well (p = 6e-13 when measured)."""
-    monkeypatch.setattr(hf_specdec.DraftPolicy, "expected_draft_rate", lambda self: float("inf"))
+    monkeypatch.setattr(hf_specdec.DraftPolicy, "expected_draft_rate", lambda self, *args: float("inf"))
     target, draft, _ = pair
     monkeypatch.setattr(hf_specdec.generate, "tree_speculative_sampling", tree_rule_without_residuals)
     samples = sample_sequences(target, 10, TREE_PROMPT, **tree_kwargs(draft))
@@ -375,3 +375,79 @@ def test_adaptive_draft_lengths_are_exact(pair):
     statistic, dof, pvalue = chi_square_against(law, samples)
     print(f"\nadaptive draft lengths {sorted(lengths)}: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
     assert pvalue > ALPHA
+
+
+# ---------------------------------------------------------------- batches mixing sources (issue 13)
+
+
+MIXED_PROMPTS = [[1, 5, 2, 6, 1, 5], [1, 3], [7, 4, 7, 4, 7]]  # rows 0 and 2 have lookup matches, row 1 none
+
+
+def sample_mixed(target, seed, records, **kwargs) -> list[list[tuple[int, ...]]]:
+    width = max(map(len, MIXED_PROMPTS))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in MIXED_PROMPTS])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in MIXED_PROMPTS])[:, None]).long()
+    torch.manual_seed(seed)
+    per_row = [[] for _ in MIXED_PROMPTS]
+    for _ in range(SAMPLES):
+        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, acceptance_sink=records.append, **SAMPLING, **kwargs)
+        for row in range(len(MIXED_PROMPTS)):
+            per_row[row].append(tuple(out[row, width:].tolist()))
+    return per_row
+
+
+@pytest.fixture(scope="module")
+def mixed_laws(pair):
+    target, _, _ = pair
+    return [exact_joint(target, torch.tensor([p])) for p in MIXED_PROMPTS]
+
+
+def mixed_kwargs(draft, draft_cost):
+    return spec_kwargs(draft, adaptive=True, ngram=True, draft_cost=draft_cost, verify_cost=0.03, num_draft_tokens=3)
+
+
+def _rounds_by_sources(records) -> list[set[str]]:
+    """The sources of each round's rows (a round writes one record per row, consecutively)."""
+    rounds, last = [], None
+    for r in records:
+        if r.round != last:
+            rounds.append(set())
+            last = r.round
+        rounds[-1].add(r.source)
+    return rounds
+
+
+@pytest.mark.parametrize("draft_cost", [0.05, 5.0])  # lookup rows beside draft rows; beside rows at length 0
+def test_batches_mixing_lookup_draft_and_empty_rows_are_exact_per_row(pair, mixed_laws, draft_cost):
+    target, draft, _ = pair
+    records = []
+    per_row = sample_mixed(target, 11, records, **mixed_kwargs(draft, draft_cost))
+    sources = {r.source for r in records}
+    # Some round verifies a lookup row beside a row of the other kind (draft model, or nothing at all).
+    other = "draft" if draft_cost < 1 else "none"
+    assert {"ngram", other} <= sources
+    assert any({"ngram", other} <= s for s in _rounds_by_sources(records))
+    for row, (law, samples) in enumerate(zip(mixed_laws, per_row)):
+        statistic, dof, pvalue = chi_square_against(law, samples)
+        print(f"\nmixed batch (c={draft_cost}) row {row}: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+        assert pvalue > ALPHA
+
+
+def test_broken_mixed_batch_with_another_rows_q_is_detected(pair, mixed_laws, monkeypatch):
+    """Broken on purpose: q handed to the rule one row off (each row verified with the next row's q)."""
+    from hf_specdec import generate as generate_module
+
+    real = generate_module._propose_rows
+
+    def shifted(state, request, room):
+        proposal = real(state, request, room)
+        if proposal.draft_probs is None:
+            return proposal
+        return dataclasses.replace(proposal, draft_probs=proposal.draft_probs.roll(1, dims=0))
+
+    monkeypatch.setattr(generate_module, "_propose_rows", shifted)
+    target, draft, _ = pair
+    per_row = sample_mixed(target, 12, [], **mixed_kwargs(draft, 0.05))
+    pvalues = [chi_square_against(law, samples)[2] for law, samples in zip(mixed_laws, per_row)]
+    print(f"\nBROKEN mixed batch (q of another row): p={[f'{p:.1e}' for p in pvalues]}")
+    assert min(pvalues) < 1e-6

@@ -194,11 +194,14 @@ def test_batched_greedy_with_the_default_levers(draft_cost):
     ids = torch.tensor([[0, 0, 1, 5, 9, 2, 5, 9], [1, 8, 4, 8, 4, 8, 4, 8]])
     mask = (ids != 0).long()
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    records = []
     out = target.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, assistant=draft,
-                          do_sample=False, max_new_tokens=30, draft_cost=draft_cost, return_dict_in_generate=True)
+                          do_sample=False, max_new_tokens=30, draft_cost=draft_cost, return_dict_in_generate=True,
+                          acceptance_sink=records.append)
     assert torch.equal(out.sequences, plain)
-    assert out.acceptance.ngram_rounds == 0  # n-gram drafts are single-row
     assert out.acceptance.drafted > 0
+    by_row = {row: {r.source for r in records if r.row == row} for row in (0, 1)}
+    assert "ngram" in by_row[1]  # row 1 repeats itself: its lookup is proposed, per row
     if draft_cost > 0.5:
         assert out.acceptance.plain_rounds > 0
 
@@ -297,7 +300,7 @@ def test_generate_with_a_draft_window_is_greedy_exact(arch):
     widths.clear()
     batch = torch.cat([prompt, prompt])
     out = target.generate(batch, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
-                          max_new_tokens=4, draft_window=16, draft_cost=0.1, verify_cost=0.03)
+                          max_new_tokens=4, draft_window=16, draft_cost=0.1, verify_cost=0.03, ngram=False)
     assert torch.equal(out, target.generate(batch, do_sample=False, max_new_tokens=4)) and widths[0] == prompt.shape[1]
     with pytest.raises(ValueError, match="draft_window"):
         hf_specdec.SpeculativeConfig(draft_window=0)

@@ -33,10 +33,22 @@ class Proposal:
     runners_up: list[list[tuple[int, float]]] | None = None
     tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: a chain
     seconds: float = 0.0  # wall time spent proposing (set by the loop)
+    # A batch mixing sources: per row its proposal length (tokens past it are padding, never
+    # accepted; 0: a plain step for that row) and its source. None: every row proposes all k tokens
+    # from `source`.
+    lengths: torch.Tensor | None = None  # [rows] int64
+    sources: list[str] | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.tokens.shape[1]
+
+    def length(self, row: int) -> int:
+        """How many tokens `row` really proposed."""
+        return self.num_tokens if self.lengths is None else int(self.lengths[row])
+
+    def source_of(self, row: int) -> str:
+        return self.source if self.sources is None else self.sources[row]
 
     @classmethod
     def nothing(cls, rows: int, device: torch.device) -> "Proposal":

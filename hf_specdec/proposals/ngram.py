@@ -64,6 +64,11 @@ class NgramDrafter(Drafter):
         tokens = ngram_lookup(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
         return Proposal(tokens[None], draft_probs=None, source=self.source)  # [1, L]
 
+    def lookup_rows(self, request: DraftRequest) -> list[torch.Tensor]:
+        """Each row's lookup (any batch size): [<= max_tokens] per row, empty where nothing matches."""
+        budget = min(self.max_tokens, request.max_tokens)
+        return [ngram_lookup(seq, self.max_ngram, self.min_ngram, budget) for seq in request.prefixes.sequences]
+
     def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
         """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
         n-gram, for a tree proposal (`hf_specdec.proposals.tree.ngram_continuations`)."""

@@ -234,7 +234,7 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
     draft_rate = policy.expected_draft_rate(prefill, room)
     retrieved = {}
     for r, tokens in enumerate(state.lookup.lookup_rows(dataclasses.replace(request, max_tokens=room))):
-        length, rate = policy.ngram_length(tokens.numel()) if tokens.numel() else (0, 0.0)
+        length, rate = policy.ngram_length(tokens.numel(), rows) if tokens.numel() else (0, 0.0)
         if length and (not draft or rate >= draft_rate):
             retrieved[r] = tokens[:length]
     chain = None

@@ -189,9 +189,11 @@ class DraftPolicy:
 
     # ------------------------------------------------------------ the round plan
 
-    def ngram_length(self, available: int) -> tuple[int, float]:
-        """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate."""
-        g, d = self.state.ngram_acceptance, self.verify_cost
+    def ngram_length(self, available: int, rows: int = 1) -> tuple[int, float]:
+        """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate.
+        In a batch of `rows`, one row's lookup widens the verify forward for every row: each column
+        is priced at d x rows against that row's gain (the batch's plain rate is rows tokens a step)."""
+        g, d = self.state.ngram_acceptance, self.verify_cost * rows
         best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
         for length in range(1, available + 1):
             p *= g

@@ -186,15 +186,16 @@ class OverconfidentQ(DraftModelDrafter):
         return dataclasses.replace(proposal, draft_probs=torch.softmax(2.0 * proposal.draft_probs.log(), -1))
 
 
-def sample_batched(target, seed, **kwargs) -> list[list[tuple[int, ...]]]:
-    width = max(map(len, BATCH_PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in BATCH_PROMPTS])
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in BATCH_PROMPTS])[:, None]).long()
+def sample_batched(target, seed, prompts=BATCH_PROMPTS, **kwargs) -> list[list[tuple[int, ...]]]:
+    """The first NEW tokens of each row of `prompts` (left-padded), over SAMPLES generate() calls."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
     torch.manual_seed(seed)
-    per_row = [[] for _ in BATCH_PROMPTS]
+    per_row = [[] for _ in prompts]
     for _ in range(SAMPLES):
         out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLING, **kwargs)
-        for row in range(len(BATCH_PROMPTS)):
+        for row in range(len(prompts)):
             per_row[row].append(tuple(out[row, width:].tolist()))
     return per_row
 
@@ -384,16 +385,7 @@ MIXED_PROMPTS = [[1, 5, 2, 6, 1, 5], [1, 3], [7, 4, 7, 4, 7]]  # rows 0 and 2 ha
 
 
 def sample_mixed(target, seed, records, **kwargs) -> list[list[tuple[int, ...]]]:
-    width = max(map(len, MIXED_PROMPTS))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in MIXED_PROMPTS])
-    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in MIXED_PROMPTS])[:, None]).long()
-    torch.manual_seed(seed)
-    per_row = [[] for _ in MIXED_PROMPTS]
-    for _ in range(SAMPLES):
-        out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, acceptance_sink=records.append, **SAMPLING, **kwargs)
-        for row in range(len(MIXED_PROMPTS)):
-            per_row[row].append(tuple(out[row, width:].tolist()))
-    return per_row
+    return sample_batched(target, seed, MIXED_PROMPTS, acceptance_sink=records.append, **kwargs)
 
 
 @pytest.fixture(scope="module")

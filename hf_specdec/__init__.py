@@ -10,6 +10,7 @@
 from pathlib import Path
 
 from .config import SpeculativeConfig
+from .continuous import StreamResult, generate_continuous
 from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
 from .policy import DraftPolicy, PolicySettings, PolicyState
 from .proposals import (
@@ -51,7 +52,9 @@ __all__ = [
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
+    "StreamResult",
     "greedy_tree_verification",
+    "generate_continuous",
     "greedy_verification",
     "lazy_speculative_sampling",
     "quantize_weights",

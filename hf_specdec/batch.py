@@ -17,6 +17,9 @@ Design (the cache length stays common to all rows; rejected slots become masked 
   flat: no prefix is ever re-encoded.
 * Finished rows leave the batch, so they cost nothing afterwards; their output is padded with the
   pad token, as transformers pads finished rows.
+* Continuous batching (`hf_specdec.continuous`): a new row joins on the right of the work sequence
+  (left-padded to its width, or the batch is left-padded to the new prompt's length); its real
+  sequence is its own prompt, unpadded. Compaction keeps the width bounded over a long stream.
 The caches themselves are changed only in `hf_specdec.cache` (rollback, row selection, column
 gathering); this module decides *which* rows and columns.
 """
@@ -40,9 +43,11 @@ class RaggedBatch:
         self,
         prompt: torch.Tensor,  # [batch, prompt_len], left-padded
         attention_mask: torch.Tensor | None,  # [batch, prompt_len] or None (no padding)
+        max_new_tokens: int,  # each row generates at most this many tokens
     ):
         batch = prompt.shape[0]
-        self.prompt = prompt
+        self.prompts = list(prompt.unbind(0))  # per original row: what processors see before its tokens
+        self.limits = [max_new_tokens] * batch  # per original row
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
         self.mask = attention_mask if attention_mask is not None or batch == 1 else torch.ones_like(prompt)
@@ -72,12 +77,17 @@ class RaggedBatch:
 
     def real_sequence(self, i: int) -> torch.Tensor:  # [1, len]: active row i, for stopping criteria
         row = self.rows[i]
-        tail = torch.tensor(self.generated[row], dtype=torch.long, device=self.prompt.device)
-        return torch.cat([self.prompt[row], tail])[None]
+        tail = torch.tensor(self.generated[row], dtype=torch.long, device=self.ids.device)
+        return torch.cat([self.prompts[row], tail])[None]
 
-    def remaining(self, max_length: int) -> int:
-        """Most tokens any active row may still generate before max_length."""
-        return max(max_length - self.prompt.shape[1] - len(self.generated[row]) for row in self.rows)
+    def remaining(self) -> int:
+        """Most tokens any active row may still generate."""
+        return max(self.limits[row] - len(self.generated[row]) for row in self.rows)
+
+    def left(self, i: int) -> int:
+        """Tokens active row i may still generate."""
+        row = self.rows[i]
+        return self.limits[row] - len(self.generated[row])
 
     def append_round(
         self,
@@ -114,7 +124,7 @@ class RaggedBatch:
     def should_compact(self, caches: tuple[Cache | None, ...]) -> bool:
         """Whether holes have piled up (a quarter of the columns, at least COMPACT_MIN_HOLES) in a
         batch whose caches allow gathering columns."""
-        if self.mask is None or self.size < 2 or not self._compactable:
+        if self.mask is None or not self.size or not self._compactable:
             return False
         holes = self.width - int(self.mask.sum(dim=1).max())
         if holes < max(COMPACT_MIN_HOLES, self.width // 4):
@@ -127,7 +137,11 @@ class RaggedBatch:
         order, gathered to the right (shorter rows left-padded); columns past the shortest cache (the
         target runs ahead of the draft after plain or n-gram rounds) are kept as they are."""
         self._prefixes = None
-        cached = min(c.get_seq_length() for c in caches if c is not None)
+        # An empty cache (a draft that has not run yet) holds the empty prefix of any work sequence.
+        held = [c.get_seq_length() for c in caches if c is not None and c.get_seq_length() > 0]
+        if not held:
+            return
+        cached = min(held)
         head = self.mask[:, :cached]  # [active, cached]
         width = int(head.sum(dim=1).max())
         # Stable sort puts each row's masked columns first and its real columns, in order, last.
@@ -137,9 +151,50 @@ class RaggedBatch:
         self.mask = torch.cat([head.gather(1, order), self.mask[:, cached:]], dim=1)
         self.ids_are_real = False
 
-    def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, prompt_len + longest generation]
+    # ------------------------------------------------------------ continuous batching
+
+    def widen(self, length: int, pad_token_id: int) -> int:
+        """Make room for a prompt of `length` tokens: if it is longer than the work sequence, the
+        batch gets that many masked columns in front. Returns how many (the caches must follow,
+        `cache.pad_front`)."""
+        self._prefixes = None
+        extra = max(0, length - self.width)
+        if self.mask is None:
+            self.mask = torch.ones_like(self.ids)
+        if extra:
+            self.ids = torch.nn.functional.pad(self.ids, (extra, 0), value=pad_token_id)
+            self.mask = torch.nn.functional.pad(self.mask, (extra, 0), value=0)
+            self.ids_are_real = False
+        return extra
+
+    def add_row(self, prompt: torch.Tensor, max_new_tokens: int, pad_token_id: int) -> int:
+        """A new row (prompt: [len] <= width, see `widen`) joins on the right of the work sequence,
+        left-padded; the caches must add it too (`cache.add_row`). Returns its original row index."""
+        self._prefixes = None
+        pad = self.width - prompt.shape[0]
+        ids = torch.nn.functional.pad(prompt, (pad, 0), value=pad_token_id)[None]
+        mask = torch.cat([self.mask.new_zeros(pad), self.mask.new_ones(prompt.shape[0])])[None]
+        self.ids = torch.cat([self.ids, ids.to(self.ids.device)])
+        self.mask = torch.cat([self.mask, mask.to(self.ids.device)])
+        self.ids_are_real = False
+        row = len(self.prompts)
+        self.prompts.append(prompt)
+        self.limits.append(max_new_tokens)
+        self.generated.append([])
+        self.rows.append(row)
+        return row
+
+    def clear(self) -> None:
+        """An empty batch drops its columns (the caches must be rolled back to 0 with it)."""
+        self._prefixes = None
+        self.ids = self.ids[:, :0]
+        self.mask = self.mask[:, :0] if self.mask is not None else None
+
+    def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, longest prompt + longest generation]
+        width = max(p.shape[0] for p in self.prompts)
         longest = max(len(g) for g in self.generated)
-        tail = torch.full((len(self.generated), longest), pad_token_id, dtype=torch.long, device=self.prompt.device)
-        for row, tokens in enumerate(self.generated):
-            tail[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        return torch.cat([self.prompt, tail], dim=1)
+        out = torch.full((len(self.generated), width + longest), pad_token_id, dtype=torch.long, device=self.ids.device)
+        for row, (prompt, tokens) in enumerate(zip(self.prompts, self.generated)):
+            out[row, width - prompt.shape[0] : width] = prompt
+            out[row, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        return out

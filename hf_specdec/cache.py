@@ -6,7 +6,8 @@ a speculative loop makes live here and nowhere else:
   * `rollback`: after verification, cut every cache back to the columns that survived;
   * `select_rows`: finished rows leave the batch (and the caches);
   * `gather_columns`: compaction, each row's real columns gathered to the right (see batch.py);
-  * `hide_prefix`: a windowed draft's cache gets zero columns in front, which its mask hides.
+  * `hide_prefix`: a windowed draft's cache gets zero columns in front, which its mask hides;
+  * `pad_front`, `add_row`, `clear`: continuous batching, a new row joins a running batch (see continuous.py).
 """
 
 from __future__ import annotations
@@ -93,12 +94,65 @@ def hide_prefix(cache: Cache, columns: int) -> None:
     masks them out (`attention_mask` zero there). Requires `can_gather([cache])`."""
     if not can_gather([cache]):
         raise UnsupportedCacheError("a draft window needs full-attention cache layers (no sliding-window or linear-attention layers)")
+    _zeros_in_front(cache, columns)
+
+
+def _zeros_in_front(cache: Cache, columns: int) -> None:
     for layer in cache.layers:
         if layer.keys is None or layer.keys.numel() == 0:
             continue
         pad = (*layer.keys.shape[:2], columns)
         layer.keys = torch.cat([layer.keys.new_zeros(*pad, layer.keys.shape[-1]), layer.keys], dim=2)
         layer.values = torch.cat([layer.values.new_zeros(*pad, layer.values.shape[-1]), layer.values], dim=2)
+
+
+def pad_front(caches: Iterable[Cache | None], columns: int) -> None:
+    """The work sequence got `columns` masked columns in front (a longer prompt joins the batch):
+    every cache that holds columns gets as many zero columns in front, which the mask hides. An
+    empty cache holds the empty prefix of any sequence and stays as it is. Requires `can_gather`."""
+    for cache in caches:
+        if cache is not None and cache.get_seq_length() > 0:
+            _zeros_in_front(cache, columns)
+
+
+def clear(caches: Iterable[Cache | None]) -> None:
+    """Drop every column of caches whose batch has no row left (continuous batching: new rows will
+    join empty caches; a cache without rows reports length 0 whatever its columns)."""
+    for cache in caches:
+        if cache is None:
+            continue
+        for layer in cache.layers:
+            if layer.keys is not None and layer.keys.dim() == 4:
+                layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+
+
+def add_row(
+    model: torch.nn.Module,
+    cache: Cache,
+    ids: torch.Tensor,  # [1, width]: the new row of the work sequence (left-padded prompt)
+    mask: torch.Tensor,  # [1, width]: 0 on its padding, 1 on its prompt
+) -> None:
+    """Append one row to a batch's cache: it must hold the row's first `cache.get_seq_length()`
+    columns like every other row. Its prompt tokens among them are encoded in a forward of their own
+    (positions from 0, as the mask's running count numbers them in the batch), its padding columns
+    are zeros the mask hides; the rest of the prompt is fed with the batch's next forward, like any
+    pending token. Requires `can_gather([cache])` (full-attention layers)."""
+    held = cache.get_seq_length()
+    real = ids[0, :held][mask[0, :held].bool()]  # the row's left padding comes first: real tokens are a suffix
+    encoded = None
+    if real.numel():
+        encoded = new_cache(model)
+        extend(model, encoded, real[None], None, num_logits=1)
+    for i, layer in enumerate(cache.layers):
+        if layer.keys is None or layer.keys.dim() < 4:  # never written: no row has anything here yet
+            continue
+        shape = (1, layer.keys.shape[1], held, layer.keys.shape[-1])
+        keys, values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
+        if encoded is not None:
+            keys[:, :, held - real.numel() :] = encoded.layers[i].keys
+            values[:, :, held - real.numel() :] = encoded.layers[i].values
+        layer.keys = torch.cat([layer.keys, keys], dim=0)
+        layer.values = torch.cat([layer.values, values], dim=0)
 
 
 @functools.lru_cache(maxsize=None)

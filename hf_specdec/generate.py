@@ -15,6 +15,9 @@ runs rounds until every row has finished. A round is six stages, each a short fu
     observe(state, proposal, verdict, emission)  # 5. statistics, the sink, the cost model
     retire(state, emission.finished)           # 6. finished rows leave; holes are compacted
 
+With continuous batching (`hf_specdec.generate_continuous`), `admit(state)` lets waiting prompts
+join before each round.
+
 Output is distributed exactly as plain sampling from the target (greedy: token for token
 identical to plain greedy).
 """
@@ -29,13 +32,19 @@ from typing import Any, Callable
 
 import torch
 from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .batch import RaggedBatch
-from .cache import can_gather, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache, rollback
+from .cache import (
+    UnsupportedCacheError, add_row, can_gather, clear as clear_caches, check_cache, extend, extend_tree, keep_path, make_rollbackable, new_cache,
+    pad_front, rollback,
+)
 from .config import SpeculativeConfig
+from .continuous import Requests
 from .policy import DraftPolicy, PolicySettings
 from .proposals import (
     CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal, with_draft_temperature,
@@ -80,6 +89,7 @@ def speculative_generate(
     tree: bool | None = None,
     draft_window: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
+    requests: Requests | None = None,
     **model_kwargs: Any,
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
     """Speculative decoding as a transformers custom generation strategy.
@@ -88,7 +98,8 @@ def speculative_generate(
     `candidate_generator` (a `Drafter`, or any transformers `CandidateGenerator`: one row, no logits
     meaning point masses); `acceptance_sink` (callable or path, one `RoundRecord` per round);
     `generator`; `spec_streamer` (transformers does not forward `streamer=` to a callable); and the
-    `SpeculativeConfig` settings one by one or as `speculative_config` (explicit ones win). The README's
+    `SpeculativeConfig` settings one by one or as `speculative_config` (explicit ones win); `requests`
+    (continuous batching: prompts that join while it runs, see `hf_specdec.generate_continuous`). The README's
     argument table documents each. Returns the sequences, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
@@ -99,14 +110,24 @@ def speculative_generate(
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
+    if requests is not None:
+        config, logits_processor, stopping_criteria = _continuous(config, logits_processor, stopping_criteria,
+                                                                  candidate_generator, input_ids, streamer or spec_streamer)
     state = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
-        candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs,
+        candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
     )
     if streamer is None and spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
     try:
-        while state.batch.size:
+        while True:
+            if requests is not None:
+                admit(state)
+            if not state.batch.size:
+                if requests is None or requests.exhausted:
+                    break
+                requests.wait()
+                continue
             proposal = propose(state)
             verdict = verify(state, proposal)
             commit(state, proposal, verdict)
@@ -163,6 +184,7 @@ class DecodeState:
     outputs: "_Outputs"
     write_record: Callable[[RoundRecord], None] | None
     close_sink: Callable[[], None]
+    requests: Requests | None = None  # continuous batching: where waiting prompts come from and results go
 
     @property
     def caches(self) -> tuple[Cache | None, ...]:
@@ -199,11 +221,38 @@ class Emission:
 # ---------------------------------------------------------------- the round
 
 
+def admit(state: DecodeState) -> None:
+    """0. Continuous batching: prompts that are waiting join while the batch has free rows. Each is
+    appended as a left-padded row of the work sequence (the batch is left-padded first if the prompt
+    is longer), and every cache gets a row holding the same columns as the others
+    (`cache.pad_front`, `cache.add_row`); it proposes and is verified from this round on."""
+    requests, batch = state.requests, state.batch
+    prompts = requests.take(requests.max_batch_size - batch.size)
+    if not prompts:
+        return
+    if not batch.size:  # everything finished: start from empty caches
+        batch.clear()
+        clear_caches(state.caches)
+    pad = _pad_token_id(state.generation_config)
+    for prompt in prompts:
+        front = batch.widen(prompt.shape[0], pad)
+        if front:
+            pad_front(state.caches, front)
+        batch.add_row(prompt, requests.max_new_tokens(prompt, state.generation_config), pad)
+        ids, mask = batch.ids[-1:], batch.mask[-1:]
+        add_row(state.model, state.cache, ids, mask)
+        state.drafter.add_row(ids, mask)
+        state.processors.add_row()
+        state.row_stats.append(AcceptanceStats())
+        state.outputs.add_row()
+    state.policy.set_rows(batch.size)
+
+
 def propose(state: DecodeState) -> Proposal:
     """1. Draft. The cost model picks this round's source: the draft model, an n-gram lookup, or
     nothing (a plain target step); the source proposes up to k tokens per row."""
     start, batch = state.clock.now(), state.batch
-    room = batch.remaining(state.generation_config.max_length) - 1  # a round emits at most k + 1 tokens a row
+    room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room))
     if state.trees and room > 0:
         return dataclasses.replace(_propose_tree(state, request, room), seconds=state.clock.now() - start)
@@ -425,6 +474,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
                 draft_seconds=proposal.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
                 parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
                 accepted_from=_accepted_from(proposal, i, accepted[i], verdict.path),
+                cache_length=state.cache.get_seq_length(),
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
     state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1)
@@ -450,6 +500,11 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:
     """6. Finished rows leave the batch and both caches; holes are compacted away once they pile up."""
+    if state.requests is not None:
+        for i, done in enumerate(finished):
+            if done:
+                row = state.batch.rows[i]
+                state.requests.finished(row, state.batch.prompts[row], state.batch.generated[row], state.row_stats[row])
     if any(finished):
         state.batch.select([i for i, done in enumerate(finished) if not done], state.caches)
     if state.batch.should_compact(state.caches):
@@ -468,8 +523,9 @@ def _first_stop(
     """(tokens to emit, finished): the tokens up to and including the first a criterion stops on."""
     before = state.batch.real_sequence(i)  # [1, len]
     sequence = torch.cat([before, torch.tensor([tokens], dtype=torch.long, device=before.device)], dim=1)
+    left = state.batch.left(i)  # the row's own max_new_tokens (in a static batch max_length says the same)
     for j in range(len(tokens)):
-        if bool(state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], scores[j : j + 1]).all()):
+        if j + 1 >= left or bool(state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], scores[j : j + 1]).all()):
             return j + 1, True
     return len(tokens), False
 
@@ -499,9 +555,29 @@ def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[f
     return torch.minimum(target_probs, proposal.draft_probs[i, :n]).sum(-1).tolist()
 
 
+def _continuous(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer):
+    """Continuous batching's checks and settings: (config, processors, stopping criteria)."""
+    if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
+        raise ValueError("continuous batching needs the draft model or an hf_specdec Drafter; a transformers "
+                         "CandidateGenerator runs one row at a time")
+    if streamer is not None:
+        raise ValueError("streamers take one row; continuous batching runs many")
+    if config.draft_vocab_size is not None:
+        raise ValueError("draft_vocab_size is chosen from the prompt, and continuous batching has many: leave it unset")
+    if input_ids.shape[0] != 1:
+        raise ValueError("continuous batching starts from one prompt (the others join as it runs)")
+    if any(isinstance(p, MinNewTokensLengthLogitsProcessor) for p in logits_processor or []):
+        raise ValueError("min_new_tokens counts from one prompt length in transformers' processor; "
+                         "continuous batching has many (use min_length, or one generate call per prompt)")
+    # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
+    config = dataclasses.replace(config, tree=False, draft_window=None)
+    stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    return config, logits_processor, stopping_criteria
+
+
 def _start(
     model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
-    candidate_generator, generator, streamer, acceptance_sink, model_kwargs,
+    candidate_generator, generator, streamer, acceptance_sink, model_kwargs, requests=None,
 ) -> DecodeState:
     """The state of a fresh call: the draft source, the cost model, the batch, the counters."""
     rows = input_ids.shape[0]
@@ -520,16 +596,20 @@ def _start(
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
     trees = config.tree and lookup is not None and rows == 1 and unpadded and can_gather((cache, drafter.cache))
+    if requests is not None and not can_gather((cache, drafter.cache)):
+        raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
+                                    "(rows join by gathering cache columns; sliding-window layers keep a window)")
     write_record, close_sink = open_sink(acceptance_sink)
     return DecodeState(
         model=model, cache=cache,
         # generate() drops an all-ones attention mask; a batch needs one (for holes) all the same.
-        batch=RaggedBatch(input_ids, model_kwargs.get("attention_mask")),
+        batch=RaggedBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1]),
         processors=RowProcessors(logits_processor, rows), drafter=drafter, lookup=lookup, trees=trees, policy=policy,
         config=config, generation_config=generation_config, stopping_criteria=stopping_criteria,
         streamer=streamer, generator=generator, clock=Clock(model.device, synchronize=decides_on_time),
         stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
         outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
+        requests=requests,
     )
 
 
@@ -598,6 +678,11 @@ class _Outputs:
         want = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if want and generation_config.output_scores else None
         self.logits = [[] for _ in range(batch)] if want and generation_config.output_logits else None
+
+    def add_row(self) -> None:
+        for per_row in (self.scores, self.logits):
+            if per_row is not None:
+                per_row.append([])
 
     def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:  # [n, vocab] each
         if self.scores is not None:

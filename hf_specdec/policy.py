@@ -41,7 +41,7 @@ Pure Python (no torch, no transformers).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from .stats import DRAFT, NGRAM, NONE
@@ -115,6 +115,11 @@ class DraftPolicy:
             n, prior = self.settings.calibration_bins, self.settings.calibration_prior
             self.state.calib_accepted = [prior * (i + 0.5) / n for i in range(n)]
             self.state.calib_reached = [prior] * n
+
+    def set_rows(self, rows: int) -> None:
+        """The batch now has `rows` rows (continuous batching): the verify-cost prior scales with it."""
+        if rows != self.settings.rows:
+            self.settings = replace(self.settings, rows=rows)
 
     # ------------------------------------------------------------ costs
 

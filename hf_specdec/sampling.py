@@ -89,6 +89,20 @@ class RowProcessors:
         self.row_independent = all(isinstance(p, ROW_INDEPENDENT) for p in pipeline)
         self.batch_size = batch_size
 
+    def add_row(self) -> None:
+        """A row joins the batch (continuous batching) with an unpadded prompt of its own: its
+        pipeline is the batch's, with no padding for repetition penalty to skip."""
+        if self.batch_size == 1 and self.pipeline is not None and not self.row_independent:
+            self.per_row = _row_pipelines(self.pipeline, 1)  # raises for processors we cannot slice
+        row = LogitsProcessorList()
+        for p in self.pipeline or []:
+            if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
+                p = copy.copy(p)
+                p.prompt_ignore_length = torch.zeros_like(p.prompt_ignore_length[:1])
+            row.append(p)
+        self.per_row.append(row if self.pipeline is not None else None)
+        self.batch_size = -1  # the batch pipeline's per-row state no longer matches any set of rows
+
     def scores(
         self,
         prefixes: Prefixes,

@@ -36,6 +36,7 @@ class RoundRecord:
     # Where the accepted tokens came from: "draft", "ngram", "draft+ngram" (a tree path through both),
     # or "" when nothing was accepted.
     accepted_from: str = ""
+    cache_length: int = 0  # columns the target's cache holds after the round (holes and padding included)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -125,6 +125,13 @@ class Drafter(ABC):
     def propose(self, request: DraftRequest) -> Proposal:
         """Up to request.max_tokens draft tokens per row."""
 
+    def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """Continuous batching: a row joins the batch, appended last; `ids`, `mask` [1, width] are
+        its row of the work sequence (a left-padded prompt). A source with a cache must give it that
+        row's columns (`hf_specdec.cache.add_row`), and per-row state a new entry."""
+        if self.cache is not None and self.cache.get_seq_length() > 0:
+            raise NotImplementedError(f"{type(self).__name__} keeps a cache but cannot add a row to it (continuous batching)")
+
     def prefill_tokens(self, width: int) -> int:
         """Tokens this source must encode before it can propose for a sequence of `width` tokens
         (a draft model's prompt, while its cache is empty); the cost model counts them. 0 once warm."""

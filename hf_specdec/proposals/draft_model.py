@@ -16,7 +16,7 @@ from transformers.generation.logits_process import (
     TypicalLogitsWarper,
 )
 
-from ..cache import extend, hide_prefix, new_cache, rollback
+from ..cache import add_row, extend, hide_prefix, new_cache, rollback
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
@@ -110,6 +110,12 @@ class DraftModelDrafter(Drafter):
         self.cache = new_cache(self.model)
         self.processors = RowProcessors(self.logits_processor, batch_size)
         self.hidden = 0  # zero columns in front of the cache (a windowed prompt)
+
+    def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        if self.window is not None:
+            raise ValueError("a draft window works on one row at a time; continuous batching adds rows")
+        add_row(self.model, self.cache, ids, mask)
+        self.processors.add_row()
 
     def prefill_tokens(self, width: int) -> int:
         if self.cache.get_seq_length():

@@ -52,6 +52,11 @@ def left_pad(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, 
     return ids, mask
 
 
+def _trim(row: torch.Tensor, eos_id, pad_id) -> list[int]:
+    """A row's generated tokens through its EOS (or without its trailing padding)."""
+    return row.tolist()[: _generated_length(row, eos_id, pad_id)]
+
+
 def _generated_length(row: torch.Tensor, eos_id, pad_id) -> int:
     """row: (new,) one row's generated tokens. Up to and including its EOS, else up to its padding."""
     tokens = row.tolist()
@@ -76,6 +81,23 @@ def _timed_generate(target, ids, mask, pad_id, max_new_tokens, mode: dict, spec:
     out = target.generate(ids, attention_mask=mask, **kwargs)
     seconds = time.perf_counter() - start
     return (out, seconds, None) if spec is None else (out.sequences, seconds, out.acceptance)
+
+
+def divergences(target, prompts: list[list[int]], reference: list[list[int]], outputs: list[list[int]]) -> list[dict]:
+    """Where each of `outputs` first leaves `reference` (plain greedy's generated tokens), with the
+    top-two logit margin of an unbatched target forward there (0 or one bf16 step: a rounding tie)."""
+    from hf_specdec.diagnostics import bf16_step, first_divergence, top_two_margin
+
+    found = []
+    for i, (prompt, ref, out) in enumerate(zip(prompts, reference, outputs)):
+        j = first_divergence(torch.tensor(ref, dtype=torch.long), torch.tensor(out, dtype=torch.long))
+        if j is None:
+            continue
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt + ref[:j]], device=target.device)).logits[0, -1]
+        margin, top = top_two_margin(logits), float(logits.float().max())
+        found.append(dict(prompt=i, position=j, margin=margin, bf16_steps=margin / bf16_step(top)))
+    return found
 
 
 def length_distribution(records) -> dict:
@@ -108,7 +130,7 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
         for size in batch_sizes:
             count = len(prompts) if not prompts_per_size else max(size, min(prompts_per_size, len(prompts)))
             tokens, seconds = {"plain": 0, "hf_specdec": 0}, {"plain": 0.0, "hf_specdec": 0.0}
-            match, acceptance, records = True, [], []
+            match, acceptance, records, diverged = True, [], [], []
             chunks = [prompts[i : i + size] for i in range(0, count - size + 1, size)]
             for n, chunk in enumerate(tqdm(chunks, desc=f"{mode_name} batch {size}")):
                 ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
@@ -121,7 +143,12 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
                     outputs[method] = seqs
                     if stats is not None:
                         acceptance.append(stats)
-                match &= torch.equal(outputs["plain"], outputs["hf_specdec"])
+                if mode_name == "greedy" and not torch.equal(outputs["plain"], outputs["hf_specdec"]):
+                    match = False
+                    rows_new = [[_trim(row, tokenizer.eos_token_id, pad_id) for row in outputs[m][:, ids.shape[1]:]]
+                                for m in ("plain", "hf_specdec")]
+                    for d in divergences(target, [p["input_ids"] for p in chunk], *rows_new):
+                        diverged.append(dict(d, prompt=chunk[d["prompt"]]["id"]))
             merged = functools.reduce(hf_specdec.AcceptanceStats.merge, acceptance)
             rows.append(dict(
                 mode=mode_name, batch_size=size, prompts=len(chunks) * size,
@@ -129,6 +156,7 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
                 hf_specdec_tokens_per_s=tokens["hf_specdec"] / seconds["hf_specdec"],
                 ratio=speedup_over_plain(tokens["hf_specdec"], seconds["hf_specdec"], tokens["plain"], seconds["plain"]),
                 acceptance_rate=merged.acceptance_rate, all_match_plain=bool(match) if mode_name == "greedy" else None,
+                mismatches=diverged if mode_name == "greedy" else None,
                 lengths=length_distribution(records),
             ))
     return rows
@@ -141,7 +169,8 @@ def batch_table(rows) -> str:
     for r in rows:
         d = r.get("lengths") or {}
         shares = ", ".join(f"{k} {v:.0%}" for k, v in d.get("source_share", {}).items())
-        match = "-" if r.get("all_match_plain") is None else "yes" if r["all_match_plain"] else "NO"
+        match = "-" if r.get("all_match_plain") is None else "yes" if r["all_match_plain"] else (
+            "NO: " + ", ".join(f"{m['prompt']} @{m['position']} {m['bf16_steps']:.0f} bf16 steps" for m in r.get("mismatches") or []))
         lengths = f"{d['mean']:.1f} / {d['p50']} / {d['p90']}" if d else "-"
         zero = f"{d['zero_share']:.0%}" if d else "-"
         lines.append(f"| {r.get('mode', 'greedy')} | {r['batch_size']} | {r['prompts']} | {r['plain_tokens_per_s']:.2f} | "

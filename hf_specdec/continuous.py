@@ -4,7 +4,8 @@
                                              max_new_tokens=128, do_sample=True, temperature=0.7)
     results[i].tokens, results[i].acceptance     # prompt i's generated tokens and statistics
 
-`prompts` is a list or any iterable of token id sequences (1-D tensors or lists of ints), read
+`prompts` is a list or any iterable of token id sequences (1-D tensors or lists of ints), or of
+mappings {"input_ids": ..., "max_new_tokens": n} for a budget of its own (a serving trace), read
 lazily: an iterator may keep yielding prompts while generation runs, and may yield None for "nothing
 waiting now" (the loop asks again after the next round). The decode loop is `speculative_generate`
 itself, started through `model.generate()` on the first prompt; before every round, waiting prompts
@@ -26,12 +27,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
 from .stats import AcceptanceStats
+
+# A prompt: token ids, or {"input_ids": token ids, "max_new_tokens": its own budget}; None: none waiting.
+PromptItem = Union[Sequence[int], torch.Tensor, Mapping[str, Any], None]
 
 
 @dataclass
@@ -54,7 +58,7 @@ class Requests:
 
     def __init__(
         self,
-        prompts: Iterable[Sequence[int] | torch.Tensor | None],
+        prompts: Iterable[PromptItem],
         max_batch_size: int,
         device: torch.device,
         on_result: Callable[[StreamResult], None] | None = None,
@@ -68,6 +72,7 @@ class Requests:
         self._source: Iterator = iter(prompts)
         self.exhausted = False
         self.results: dict[int, StreamResult] = {}
+        self.budgets: dict[int, int] = {}  # prompts that came with their own max_new_tokens
         self.admitted = 0
         self._bar = None
         if progress:
@@ -76,7 +81,16 @@ class Requests:
             total = len(prompts) if hasattr(prompts, "__len__") else None
             self._bar = tqdm(total=total, desc="prompts", unit="prompt")
 
-    def _prompt(self, item: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    def _prompt(self, item: PromptItem) -> torch.Tensor:
+        if isinstance(item, Mapping):
+            if "input_ids" not in item:
+                raise ValueError(f"prompt {self.admitted} is a mapping without 'input_ids'")
+            if item.get("max_new_tokens") is not None:
+                budget = int(item["max_new_tokens"])
+                if budget < 1:
+                    raise ValueError(f"prompt {self.admitted}: max_new_tokens must be at least 1, got {budget}")
+                self.budgets[self.admitted] = budget
+            item = item["input_ids"]
         prompt = torch.as_tensor(item, dtype=torch.long, device=self.device)
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
@@ -115,10 +129,13 @@ class Requests:
         """The batch is empty and no prompt is waiting: pause briefly before asking again."""
         time.sleep(0.005)
 
-    def max_new_tokens(self, prompt: torch.Tensor, generation_config: GenerationConfig) -> int:
+    def max_new_tokens(self, row: int, prompt: torch.Tensor, generation_config: GenerationConfig) -> int:
+        """Row `row`'s budget: its own, else the call's max_new_tokens (else max_length minus its prompt)."""
+        if row in self.budgets:
+            return self.budgets[row]
         if generation_config.max_new_tokens is not None:
             return generation_config.max_new_tokens
-        return generation_config.max_length - prompt.shape[0]
+        return max(1, generation_config.max_length - prompt.shape[0])
 
     def finished(self, row: int, prompt: torch.Tensor, tokens: list[int], acceptance: AcceptanceStats) -> None:
         result = StreamResult(row, prompt, torch.tensor(tokens, dtype=torch.long, device=prompt.device), acceptance)
@@ -135,7 +152,7 @@ class Requests:
 
 def generate_continuous(
     model: PreTrainedModel,
-    prompts: Iterable[Sequence[int] | torch.Tensor | None],
+    prompts: Iterable[PromptItem],
     *,
     assistant: PreTrainedModel | None = None,
     max_batch_size: int = 8,

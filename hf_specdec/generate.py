@@ -238,7 +238,7 @@ def admit(state: DecodeState) -> None:
         front = batch.widen(prompt.shape[0], pad)
         if front:
             pad_front(state.caches, front)
-        batch.add_row(prompt, requests.max_new_tokens(prompt, state.generation_config), pad)
+        batch.add_row(prompt, requests.max_new_tokens(len(batch.prompts), prompt, state.generation_config), pad)
         ids, mask = batch.ids[-1:], batch.mask[-1:]
         add_row(state.model, state.cache, ids, mask)
         state.drafter.add_row(ids, mask)
@@ -262,7 +262,8 @@ def propose(state: DecodeState) -> Proposal:
     if state.lookup is not None and room > 0:
         lookup = state.lookup.propose(dataclasses.replace(request, max_tokens=room))
     prefill = state.drafter.prefill_tokens(batch.width)
-    source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens, prefill, room) if room > 0 else (NONE, 0)
+    size = None if lookup is None else lookup.match_sizes[0]
+    source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens, prefill, room, size) if room > 0 else (NONE, 0)
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
@@ -281,11 +282,11 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     draft = policy.should_draft(prefill, room)
     draft_rate = policy.expected_draft_rate(prefill, room)
-    retrieved = {}
-    for r, tokens in enumerate(state.lookup.lookup_rows(dataclasses.replace(request, max_tokens=room))):
-        length, rate = policy.ngram_length(tokens.numel(), rows) if tokens.numel() else (0, 0.0)
+    retrieved, sizes = {}, [0] * rows
+    for r, (tokens, size) in enumerate(state.lookup.match_rows(dataclasses.replace(request, max_tokens=room))):
+        length, rate = policy.ngram_length(tokens.numel(), rows, size) if tokens.numel() else (0, 0.0)
         if length and (not draft or rate >= draft_rate):
-            retrieved[r] = tokens[:length]
+            retrieved[r], sizes[r] = tokens[:length], size
     chain = None
     if draft and len(retrieved) < rows:
         chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(rows)))
@@ -314,7 +315,7 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
     return Proposal(
         tokens=tokens, draft_probs=q, source=DRAFT if drafted else NGRAM,
         confidences=None if chain is None else chain.confidences, forwards=0 if chain is None else chain.forwards,
-        lengths=torch.tensor(lengths, device=device), sources=sources,
+        lengths=torch.tensor(lengths, device=device), sources=sources, match_sizes=sizes,
     )
 
 
@@ -323,16 +324,17 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     the cost model expects it to beat the draft model, else merged with the draft model's chain. The
     cost model keeps the nodes that pay (`DraftPolicy.select_nodes`)."""
     policy, config, device = state.policy, state.config, request.ids.device
-    continuations = state.lookup.continuations(dataclasses.replace(request, max_tokens=room), config.tree_max_branches)
+    continuations, size = state.lookup.retrieve(dataclasses.replace(request, max_tokens=room), config.tree_max_branches)
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    reach = retrieval_reach(retrieved, policy.state.ngram_acceptance)
+    acceptance = policy.ngram_acceptance_for(size)
+    reach = retrieval_reach(retrieved, acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
     draft = policy.should_draft(prefill, room)
     if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate(prefill, room)):
-        return tree_proposal(retrieved, keep, None, NGRAM, device)
+        return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size])
     if not draft:
         return Proposal.nothing(1, device)
     chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(1)))
@@ -353,9 +355,9 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
         siblings[node] = (1 - draft_acceptance[j]) * min(1.0, prob / max(1e-6, 1 - confidences[j]))
     for continuation in continuations:
         merged.insert(continuation, NGRAM, count=True)
-    reach = retrieval_reach(merged, policy.state.ngram_acceptance, draft_acceptance, siblings)
+    reach = retrieval_reach(merged, acceptance, draft_acceptance, siblings)
     keep = policy.select_nodes(reach, list(range(chain.num_tokens)), chain.forwards, config.tree_max_nodes)
-    return tree_proposal(merged, keep, chain, DRAFT, device)
+    return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size])
 
 
 def verify(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -485,16 +487,16 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
             state.policy.observe_round(DRAFT, proposal.length(drafted[0]), [accepted[i] for i in drafted], confidences)
         for i, source in enumerate(proposal.sources):
             if source == NGRAM:
-                state.policy.observe_round(NGRAM, proposal.length(i), [accepted[i]])
+                state.policy.observe_round(NGRAM, proposal.length(i), [accepted[i]], match_sizes=[proposal.match_sizes[i]])
         if not drafted:
             state.policy.observe_round(NONE, 0, [])  # a round without the draft model (its probe count)
     elif proposal.tree is None:
-        state.policy.observe_round(proposal.source, k, accepted, proposal.confidences)
+        state.policy.observe_round(proposal.source, k, accepted, proposal.confidences, proposal.match_sizes)
     else:
         tree = proposal.tree
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
-            tree.retrieval_outcomes(verdict.path),
+            tree.retrieval_outcomes(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
         )
 
 
@@ -600,10 +602,13 @@ def _start(
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")
     write_record, close_sink = open_sink(acceptance_sink)
+    batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1])
+    if requests is not None:  # the first prompt's own budget, if it came with one
+        batch.limits[0] = requests.max_new_tokens(0, input_ids[0], generation_config)
     return DecodeState(
         model=model, cache=cache,
         # generate() drops an all-ones attention mask; a batch needs one (for holes) all the same.
-        batch=RaggedBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1]),
+        batch=batch,
         processors=RowProcessors(logits_processor, rows), drafter=drafter, lookup=lookup, trees=trees, policy=policy,
         config=config, generation_config=generation_config, stopping_criteria=stopping_criteria,
         streamer=streamer, generator=generator, clock=Clock(model.device, synchronize=decides_on_time),

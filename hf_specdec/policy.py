@@ -98,7 +98,10 @@ class PolicyState:
     fit_xy: float = 0.0
     first_acceptance: float = 0.7  # running acceptance of draft position 1 (optimistic: try drafting)
     token_acceptance: float = 0.7  # running acceptance of any reached draft position
-    ngram_acceptance: float = 0.8  # running per-token acceptance of n-gram proposals (optimistic)
+    ngram_acceptance: float = 0.8  # running per-token acceptance of n-gram proposals (optimistic), all sizes
+    # The same per size n of the match a proposal follows (1-gram matches are weaker clues than
+    # 3-gram ones); a size not seen yet starts from `ngram_acceptance`.
+    ngram_acceptance_by_size: dict[int, float] = field(default_factory=dict)
     draft_rate: float | None = None  # running tokens per unit cost of draft-model rounds
     plain_streak: int = 0
     calib_accepted: list[float] = field(default_factory=list)
@@ -194,11 +197,24 @@ class DraftPolicy:
 
     # ------------------------------------------------------------ the round plan
 
-    def ngram_length(self, available: int, rows: int = 1) -> tuple[int, float]:
-        """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate.
-        In a batch of `rows`, one row's lookup widens the verify forward for every row: each column
-        is priced at d x rows against that row's gain (the batch's plain rate is rows tokens a step)."""
-        g, d = self.state.ngram_acceptance, self.verify_cost * rows
+    def ngram_acceptance_for(self, size: int | None) -> float:
+        """Running per-token acceptance of proposals that follow an n-gram match of `size` tokens."""
+        if not size:
+            return self.state.ngram_acceptance
+        return self.state.ngram_acceptance_by_size.get(size, self.state.ngram_acceptance)
+
+    def _observe_ngram(self, size: int | None, accepted: float) -> None:
+        s, w = self.state, self.settings.ema_weight / 2
+        s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w)
+        if size:
+            s.ngram_acceptance_by_size[size] = _ema(self.ngram_acceptance_for(size), accepted, w)
+
+    def ngram_length(self, available: int, rows: int = 1, size: int | None = None) -> tuple[int, float]:
+        """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate,
+        for a match of `size` tokens. In a batch of `rows`, one row's lookup widens the verify forward
+        for every row: each column is priced at d x rows against that row's gain (the batch's plain
+        rate is rows tokens a step)."""
+        g, d = self.ngram_acceptance_for(size), self.verify_cost * rows
         best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
         for length in range(1, available + 1):
             p *= g
@@ -233,13 +249,15 @@ class DraftPolicy:
             return True
         return self.state.plain_streak >= self.settings.probe_interval
 
-    def plan(self, ngram_available: int, prefill: int = 0, remaining: int | None = None) -> tuple[str, int]:
+    def plan(
+        self, ngram_available: int, prefill: int = 0, remaining: int | None = None, ngram_size: int | None = None
+    ) -> tuple[str, int]:
         """(source, length) for this round: NGRAM with L tokens, DRAFT (length decided while
         drafting, at most max_draft_tokens), or NONE (a plain step). `prefill`, `remaining`: as for
-        `expected_draft_rate`."""
+        `expected_draft_rate`; `ngram_size`: the size of the match the lookup follows."""
         draft = self.should_draft(prefill, remaining)
         if ngram_available:
-            length, rate = self.ngram_length(ngram_available)
+            length, rate = self.ngram_length(ngram_available, size=ngram_size)
             if length and (not draft or rate >= self.expected_draft_rate(prefill, remaining)):
                 return NGRAM, length
         return (DRAFT, self.settings.max_draft_tokens) if draft else (NONE, 0)
@@ -301,6 +319,7 @@ class DraftPolicy:
         num_drafted: int,
         num_accepted: list[int],  # per row
         confidences: list[list[float]] | None = None,  # per row, per drafted position (DRAFT rounds)
+        match_sizes: list[int] | None = None,  # per row, the n-gram match size (NGRAM rounds)
     ) -> None:
         s, w = self.state, self.settings.ema_weight
         if source == NONE:
@@ -313,7 +332,7 @@ class DraftPolicy:
             for i in range(reached):
                 accepted = float(i < n)
                 if source == NGRAM:
-                    s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w / 2)
+                    self._observe_ngram(None if match_sizes is None else match_sizes[r], accepted)
                     continue
                 s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
@@ -332,6 +351,7 @@ class DraftPolicy:
         chain_accepted: int,  # how many of them were accepted
         confidences: list[float] | None,  # the draft's probability of each chain node
         retrieval: list[bool],  # per node the walk reached that had retrieved children: one was accepted
+        match_size: int | None = None,  # the size of the n-gram match the retrieved branches follow
     ) -> None:
         """A tree round: the draft chain is scored as a draft round; each retrieval event updates the
         per-token acceptance of retrievals."""
@@ -340,4 +360,4 @@ class DraftPolicy:
             self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences])
         s.plain_streak = 0
         for accepted in retrieval:
-            s.ngram_acceptance = _ema(s.ngram_acceptance, float(accepted), w / 2)
+            self._observe_ngram(match_size, float(accepted))

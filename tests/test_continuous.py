@@ -109,6 +109,14 @@ def test_prompts_arriving_while_it_runs():
     for result, prompt in zip(results, prompts):
         plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt):]
         assert torch.equal(result.tokens, plain)
+    # Requests with budgets of their own (a serving trace); the others take the call's max_new_tokens.
+    budgets = [3, None, 9, 1, None, 5]
+    items = [{"input_ids": p, "max_new_tokens": b} for p, b in zip(prompts, budgets)]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_batch_size=3, max_new_tokens=7,
+                                             do_sample=False)
+    for result, prompt, budget in zip(results, prompts, budgets):
+        plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=budget or 7)[0, len(prompt):]
+        assert torch.equal(result.tokens, plain)
     assert hf_specdec.generate_continuous(target, [], assistant=draft, max_new_tokens=4) == []
 
 

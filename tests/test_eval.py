@@ -25,6 +25,7 @@ from hf_specdec.stats import geometric_tokens_per_round
 ROOT = Path(__file__).resolve().parents[1]
 EVAL = ROOT / "evals" / "run_eval.py"
 BATCH_STUDY = ROOT / "evals" / "batch_study.py"
+STREAM_STUDY = ROOT / "evals" / "stream_study.py"
 BARS = ROOT / "evals" / "bars.py"
 TINY_METHODS = ["plain", "assisted", "prompt_lookup", "hf_specdec", "hf_k5_model_only"]
 TINY_ARGS = ["--target", "tiny", "--draft", "tiny", "--prompts-per-category", "1", "--max-new-tokens", "12",
@@ -151,6 +152,22 @@ def test_batch_throughput_study_on_tiny_models(tmp_path):
         assert lengths["row_rounds"] > 0 and 0 <= lengths["zero_share"] <= 1 and sum(lengths["source_share"].values()) == pytest.approx(1)
     assert "| greedy | 4 | 4 |" in (tmp_path / "batch_throughput.md").read_text()
     assert (tmp_path / "batch_throughput.png").stat().st_size > 0
+
+
+def test_stream_study_on_tiny_models(tmp_path):
+    run([sys.executable, str(STREAM_STUDY), "--target", "tiny", "--draft", "tiny", "--prompts", "6", "--max-batch-size", "3",
+         "--min-new-tokens", "3", "--max-new-tokens", "10", "--threads", "1", "--skip-transformers", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "stream.json").read_text())
+    budgets = result["config"]["budgets"]
+    assert len(budgets) == 6 and all(3 <= b <= 10 for b in budgets)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert set(rows) == {"plain_static", "hf_specdec_continuous", "continuous_no_speculation", "hf_specdec_static"}
+    for row in rows.values():
+        assert 0 < row["tokens"] <= sum(budgets) and row["mismatches"] == []  # greedy: every method equals plain
+        assert row["tokens"] == rows["plain_static"]["tokens"]
+        assert row["ratio"] == pytest.approx(row["tokens_per_s"] / rows["plain_static"]["tokens_per_s"])
+    assert 1 < rows["hf_specdec_continuous"]["mean_rows_per_round"] <= 3
+    assert (tmp_path / "stream.png").stat().st_size > 0
 
 
 def test_eval_end_to_end_on_tiny_models(tiny_eval, tmp_path):

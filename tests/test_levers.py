@@ -13,7 +13,7 @@ import hf_specdec
 from conftest import perturbed, tiny_model
 from hf_specdec.policy import DRAFT, NGRAM, NONE, DraftPolicy, PolicySettings, PolicyState
 from hf_specdec.cache import rollback
-from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup
+from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup, ngram_match
 from hf_specdec.sampling import Prefixes
 from hf_specdec.quantize import quantize_weights
 
@@ -117,6 +117,23 @@ def test_policy_prefers_ngram_while_it_pays_and_measures_costs():
     length, rate = DraftPolicy(state=PolicyState(ngram_acceptance=0.99)).ngram_length(16)
     assert length == 16 and rate > 5
     assert DraftPolicy(state=PolicyState(ngram_acceptance=0.01)).ngram_length(16)[0] == 0  # not worth verifying at all
+
+
+def test_policy_keeps_an_acceptance_per_match_size():
+    """1-gram matches that keep failing stop being proposed while 3-gram matches still are."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8, adaptive=False))
+    assert policy.ngram_length(10, size=1)[0] > 0 and policy.ngram_length(10, size=3)[0] > 0  # optimistic priors
+    for _ in range(30):
+        policy.observe_round(NGRAM, 10, [0], match_sizes=[1])  # 1-gram matches always rejected
+        policy.observe_round(NGRAM, 10, [10], match_sizes=[3])  # 3-gram matches always accepted
+    assert policy.ngram_length(10, size=1)[0] <= 1  # at most one cheap column on a 3% chance
+    assert policy.ngram_length(10, size=3)[0] == 10
+    assert policy.plan(10, ngram_size=1)[0] == DRAFT and policy.plan(10, ngram_size=3)[0] == NGRAM
+    assert policy.ngram_acceptance_for(2) == policy.state.ngram_acceptance  # unseen size: the all-sizes value
+    sequence = torch.tensor([5, 9, 4, 1, 8, 2, 7, 3, 9])
+    tokens, size = ngram_match(sequence, 3, 1, 4)
+    assert size == 1 and tokens.tolist() == [4, 1, 8, 2]  # only (9) occurred before
+    assert ngram_match(sequence, 3, 2, 4)[1] == 0
 
 
 # ---------------------------------------------------------------- greedy identity with the levers on

@@ -9,7 +9,7 @@ through `Drafter.propose` and `Drafter.update` and reads what it needs from the 
 from .base import Drafter, DraftRequest, Proposal
 from .draft_model import DraftCandidateGenerator, DraftModelDrafter, VocabularySubsetHead, with_draft_temperature
 from .foreign import CandidateGeneratorDrafter
-from .ngram import NgramCandidateGenerator, NgramDrafter, ngram_lookup
+from .ngram import NgramCandidateGenerator, NgramDrafter, ngram_lookup, ngram_match
 
 __all__ = [
     "CandidateGeneratorDrafter",
@@ -22,5 +22,6 @@ __all__ = [
     "Proposal",
     "VocabularySubsetHead",
     "ngram_lookup",
+    "ngram_match",
     "with_draft_temperature",
 ]

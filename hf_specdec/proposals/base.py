@@ -38,6 +38,9 @@ class Proposal:
     # from `source`.
     lengths: torch.Tensor | None = None  # [rows] int64
     sources: list[str] | None = None
+    # Retrieval: per row the size n of the n-gram match its lookup follows (0: none; the cost model
+    # keeps an acceptance per size). None: no retrieval in this proposal.
+    match_sizes: list[int] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -16,7 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..config import SpeculativeConfig
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
-from .tree import ngram_continuations
+from .tree import retrieve
 
 _DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator
 
@@ -29,6 +29,12 @@ def ngram_lookup(
 ) -> torch.Tensor:  # [<= max_tokens]: the proposed continuation (empty when nothing matches)
     """The continuation of the most recent earlier occurrence of the sequence's last n tokens, trying
     n = max_ngram down to min_ngram."""
+    return ngram_match(sequence, max_ngram, min_ngram, max_tokens)[0]
+
+
+def ngram_match(sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> tuple[torch.Tensor, int]:
+    """`ngram_lookup`'s continuation and the size n of the match it follows (0: no match). The cost
+    model keeps a running acceptance per match size: a 1-token match is a weaker clue than a 3-token one."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = sequence[length - n :]
@@ -36,8 +42,8 @@ def ngram_lookup(
         starts = (windows == suffix).all(dim=1).nonzero().flatten()
         if starts.numel():  # the most recent occurrence; it always has a continuation (it ends before the last token)
             follow = int(starts[-1]) + n
-            return sequence[follow : follow + max_tokens]
-    return sequence.new_empty(0)
+            return sequence[follow : follow + max_tokens], n
+    return sequence.new_empty(0), 0
 
 
 class NgramDrafter(Drafter):
@@ -61,21 +67,29 @@ class NgramDrafter(Drafter):
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        tokens = ngram_lookup(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
-        return Proposal(tokens[None], draft_probs=None, source=self.source)  # [1, L]
+        tokens, size = ngram_match(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
+        return Proposal(tokens[None], draft_probs=None, source=self.source, match_sizes=[size])  # [1, L]
 
     def lookup_rows(self, request: DraftRequest) -> list[torch.Tensor]:
         """Each row's lookup (any batch size): [<= max_tokens] per row, empty where nothing matches."""
+        return [tokens for tokens, _ in self.match_rows(request)]
+
+    def match_rows(self, request: DraftRequest) -> list[tuple[torch.Tensor, int]]:
+        """Each row's lookup and the size of the match it follows (`ngram_match`)."""
         budget = min(self.max_tokens, request.max_tokens)
-        return [ngram_lookup(seq, self.max_ngram, self.min_ngram, budget) for seq in request.prefixes.sequences]
+        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget) for seq in request.prefixes.sequences]
 
     def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
         """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
         n-gram, for a tree proposal (`hf_specdec.proposals.tree.ngram_continuations`)."""
+        return self.retrieve(request, max_branches)[0]
+
+    def retrieve(self, request: DraftRequest, max_branches: int) -> tuple[list[list[int]], int]:
+        """`continuations` and the size of the match they follow (0: none)."""
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        return ngram_continuations(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches)
+        return retrieve(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches)
 
 
 class NgramCandidateGenerator(CandidateGenerator):

@@ -85,6 +85,13 @@ def ngram_continuations(
     """Up to `max_branches` distinct continuations (each at most `max_tokens` long) of the earlier
     occurrences of the sequence's last n tokens, most recent occurrence first, for the longest n in
     max_ngram..min_ngram that occurs. Empty when nothing matches. The first one is `ngram_lookup`'s."""
+    return retrieve(sequence, max_ngram, min_ngram, max_tokens, max_branches)[0]
+
+
+def retrieve(
+    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, max_branches: int
+) -> tuple[list[list[int]], int]:
+    """`ngram_continuations` and the size n of the match they follow (0: no match)."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]
@@ -102,8 +109,8 @@ def ngram_continuations(
                 out.append(list(continuation))
                 if len(out) == max_branches:
                     break
-        return out
-    return []
+        return out, n
+    return [], 0
 
 
 def retrieval_reach(
@@ -200,4 +207,4 @@ def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
-__all__ = ["Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_reach", "subtree"]
+__all__ = ["Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_reach", "retrieve", "subtree"]

@@ -17,7 +17,7 @@ few percent of drift between methods that a per-prompt interleave would cancel):
 * `continuous_no_speculation`: the same continuous batching with the draft priced out and lookup off
   (every round a plain step for every row): what continuous batching alone buys.
 * `transformers_continuous`: transformers' own continuous batching (its manager, each request with
-  its budget), when it runs on this machine; its scheduler chooses its batch (no speculation).
+  its budget, at most `--max-batch-size` requests a batch), when it runs on this machine (no speculation).
 
 Throughput counts each prompt's useful tokens (to its budget, through EOS) over the method's wall
 time for the whole stream. Every greedy output is checked against plain's; a mismatch is reported with
@@ -85,12 +85,17 @@ def run_continuous(target, draft, prompts, budgets, size, eos_id, **levers) -> t
     return [useful(r.tokens.tolist(), b, eos_id) for r, b in zip(results, budgets)], seconds, records, extra
 
 
-def run_transformers_continuous(target, prompts, budgets, eos_id, pad_id, limit: float) -> tuple[list[list[int]], float]:
-    """transformers' continuous batching manager (public API), each request with its own budget."""
+def run_transformers_continuous(
+    target, prompts, budgets, size, eos_id, pad_id, limit: float
+) -> tuple[list[list[int]], float]:
+    """transformers' continuous batching manager (public API), each request with its own budget, at
+    most `size` requests a batch (`ContinuousBatchingConfig.max_requests_per_batch`)."""
     from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     config = GenerationConfig(do_sample=False, max_new_tokens=max(budgets), eos_token_id=eos_id, pad_token_id=pad_id)
-    manager = target.init_continuous_batching(generation_config=config)
+    manager = target.init_continuous_batching(
+        generation_config=config, continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=size))
     manager.start()
     try:
         manager.add_request(prompts[0], request_id="warm-up", max_new_tokens=4)  # its set-up is not timed
@@ -160,7 +165,7 @@ def main(args: argparse.Namespace) -> None:
         runs["hf_specdec_static"] = dict(outputs=outputs, seconds=seconds, lengths=length_distribution(records))
     if not args.skip_transformers:
         try:
-            outputs, seconds = run_transformers_continuous(target, prompts, budgets, eos_id, pad_id, args.transformers_limit)
+            outputs, seconds = run_transformers_continuous(target, prompts, budgets, size, eos_id, pad_id, args.transformers_limit)
             runs["transformers_continuous"] = dict(outputs=outputs, seconds=seconds)
         except Exception as error:  # recorded, not hidden: the study still reports the others
             runs["transformers_continuous"] = dict(error=f"{type(error).__name__}: {error}")

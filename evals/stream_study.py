@@ -69,7 +69,7 @@ def run_static(target, prompts, budgets, size, pad_id, eos_id, spec: dict | None
 
 
 def run_continuous(target, draft, prompts, budgets, size, eos_id, **levers) -> tuple[list[list[int]], float, list, dict]:
-    records, occupancy = [], []
+    records = []
     items = [{"input_ids": p, "max_new_tokens": b} for p, b in zip(prompts, budgets)]
     began = time.perf_counter()
     results = hf_specdec.generate_continuous(target, items, assistant=draft, max_batch_size=size, do_sample=False,

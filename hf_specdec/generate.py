@@ -111,8 +111,8 @@ def speculative_generate(
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
     if requests is not None:
-        config, logits_processor, stopping_criteria = _continuous(config, logits_processor, stopping_criteria,
-                                                                  candidate_generator, input_ids, streamer or spec_streamer)
+        config, stopping_criteria = _continuous(config, logits_processor, stopping_criteria, candidate_generator,
+                                                input_ids, streamer or spec_streamer)
     state = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
         candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
@@ -120,23 +120,29 @@ def speculative_generate(
     if streamer is None and spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
     try:
-        while True:
-            if requests is not None:
-                admit(state)
-            if not state.batch.size:
-                if requests is None or requests.exhausted:
-                    break
-                requests.wait()
-                continue
-            proposal = propose(state)
-            verdict = verify(state, proposal)
-            commit(state, proposal, verdict)
-            emission = emit(state, verdict)
-            observe(state, proposal, verdict, emission)
-            retire(state, emission.finished)
+        _decode(state)
     finally:
         state.close_sink()
     return _finish(state)
+
+
+def _decode(state: "DecodeState") -> None:
+    """Rounds until every row has finished (and, with continuous batching, no prompt is left)."""
+    requests = state.requests
+    while True:
+        if requests is not None:
+            admit(state)
+        if not state.batch.size:
+            if requests is None or requests.exhausted:
+                return
+            requests.wait()
+            continue
+        proposal = propose(state)
+        verdict = verify(state, proposal)
+        commit(state, proposal, verdict)
+        emission = emit(state, verdict)
+        observe(state, proposal, verdict, emission)
+        retire(state, emission.finished)
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -558,7 +564,7 @@ def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[f
 
 
 def _continuous(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer):
-    """Continuous batching's checks and settings: (config, processors, stopping criteria)."""
+    """Continuous batching's checks and settings: (config, stopping criteria)."""
     if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
         raise ValueError("continuous batching needs the draft model or an hf_specdec Drafter; a transformers "
                          "CandidateGenerator runs one row at a time")
@@ -574,7 +580,7 @@ def _continuous(config, logits_processor, stopping_criteria, candidate_generator
     # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
     config = dataclasses.replace(config, tree=False, draft_window=None)
     stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
-    return config, logits_processor, stopping_criteria
+    return config, stopping_criteria
 
 
 def _start(

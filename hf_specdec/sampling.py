@@ -92,15 +92,11 @@ class RowProcessors:
     def add_row(self) -> None:
         """A row joins the batch (continuous batching) with an unpadded prompt of its own: its
         pipeline is the batch's, with no padding for repetition penalty to skip."""
-        if self.batch_size == 1 and self.pipeline is not None and not self.row_independent:
-            self.per_row = _row_pipelines(self.pipeline, 1)  # raises for processors we cannot slice
-        row = LogitsProcessorList()
-        for p in self.pipeline or []:
-            if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
-                p = copy.copy(p)
-                p.prompt_ignore_length = torch.zeros_like(p.prompt_ignore_length[:1])
-            row.append(p)
-        self.per_row.append(row if self.pipeline is not None else None)
+        row = None
+        if self.pipeline is not None:
+            _check_row_safe(self.pipeline)
+            row = _row_pipeline(self.pipeline, lambda ignored: torch.zeros_like(ignored[:1]))
+        self.per_row.append(row)
         self.batch_size = -1  # the batch pipeline's per-row state no longer matches any set of rows
 
     def scores(
@@ -210,22 +206,31 @@ def _row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[Lo
     how to take that row's slice (repetition penalty's per-row prompt lengths)."""
     if not processor:
         return [None] * batch
+    _check_row_safe(processor)
+    return [_row_pipeline(processor, lambda ignored, b=b: ignored[b : b + 1]) for b in range(batch)]
+
+
+def _check_row_safe(processor: LogitsProcessorList) -> None:
     unknown = [type(p).__name__ for p in processor if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
     if unknown:
         raise ValueError(
             f"batched speculative decoding applies logits processors row by row, and {', '.join(unknown)} "
             "is not known to allow that; run such a generation one row at a time."
         )
-    rows = []
-    for b in range(batch):
-        row = LogitsProcessorList()
-        for p in processor:
-            if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
-                p = copy.copy(p)
-                p.prompt_ignore_length = p.prompt_ignore_length[b : b + 1]
-            row.append(p)
-        rows.append(row)
-    return rows
+
+
+def _row_pipeline(
+    processor: LogitsProcessorList, padding: Callable[[torch.Tensor], torch.Tensor]
+) -> LogitsProcessorList:
+    """`processor` for one row: repetition penalty's per-row padding lengths [batch] replaced by
+    `padding(lengths)` ([1], that row's)."""
+    row = LogitsProcessorList()
+    for p in processor:
+        if isinstance(p, RepetitionPenaltyLogitsProcessor) and isinstance(p.prompt_ignore_length, torch.Tensor):
+            p = copy.copy(p)
+            p.prompt_ignore_length = padding(p.prompt_ignore_length)
+        row.append(p)
+    return row
 
 
 def logits_to_probs(scores: torch.Tensor) -> torch.Tensor:  # [..., vocab] -> [..., vocab]

@@ -68,14 +68,21 @@ class CostTable:
         return seconds + positions * self.position[mode][engine]
 
     def pinned_costs(self, context: int, draft: str = "hf") -> dict[str, float]:
-        """hf_specdec's cost-model inputs at `context`: c = draft step / target step, and d = the
-        least-squares slope of target forward time against width, over the target step."""
+        """hf_specdec's cost-model inputs at `context`: c = draft step / target step, d = the
+        least-squares slope of target forward time against width up to 9 tokens, and e = the slope
+        from 9 tokens to the widest measured, less d; all over the target step."""
         step = self.forward("target", 1, context)
         xs = [w - 1 for w in self.widths if w <= 9]
         ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
         mx, my = statistics.fmean(xs), statistics.fmean(ys)
         slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=max(0.0, slope / step))
+        d = max(0.0, slope / step)
+        wide = [w for w in self.widths if w >= 9]  # past the knee (hf_specdec.policy): e on top of d
+        knee = 0.0  # a table measured only up to the knee shows none
+        if len(wide) > 1:
+            rise = self.forward("target", wide[-1], context) - self.forward("target", wide[0], context)
+            knee = max(0.0, rise / (wide[-1] - wide[0]) / step - d)
+        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee)
 
     def drift(self, other: "CostTable") -> float:
         """Largest relative difference between two tables' forward prices (start against end of a run)."""

@@ -28,14 +28,17 @@ class SpeculativeConfig:
     # (n = ngram_max_size .. ngram_min_size) when the cost model expects it to beat the draft model.
     ngram: bool = True
     ngram_max_size: int = 3
-    ngram_min_size: int = 2  # 1 adds 1-gram matches (as prompt lookup does): measured worse on 4 of 7 categories (evals/results/onegram/)
+    # 1-gram matches too, as prompt lookup does. Once measured worse on 4 of 7 categories (each size
+    # was learned only where tried: evals/results/onegram/); since lookups the round did not verify
+    # are scored too, a weak size stops being tried within a few rounds.
+    ngram_min_size: int = 1
     ngram_max_tokens: int = 32
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree
     # attention mask; the cost model keeps the nodes that pay, at most tree_max_nodes. False: one
     # chain per round from one source.
     tree: bool = True
-    tree_max_branches: int = 4
+    tree_max_branches: int = 8
     tree_max_nodes: int = 24
     # Reduced-vocabulary draft head: the draft proposes only token ids below this (the tokenizer's
     # most frequent merges, for BPE vocabularies ordered by merge rank), plus the prompt's tokens and
@@ -53,6 +56,9 @@ class SpeculativeConfig:
     # Pin the cost d of one more token in the verifying forward (in target steps) instead of fitting
     # it online. With both costs pinned, the cost model reads no clock: seeded runs repeat exactly.
     verify_cost: float | None = None
+    # Pin e, the extra cost of each verify token past the knee (9 tokens; `hf_specdec.policy`). With
+    # verify_cost pinned and this not, e is its prior (0.02): pinned runs never read the clock.
+    verify_knee_cost: float | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
@@ -73,7 +79,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
         if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):
             raise ValueError(f"draft_window must be a positive integer or None, got {self.draft_window!r}")
-        for name in ("draft_cost", "verify_cost"):
+        for name in ("draft_cost", "verify_cost", "verify_knee_cost"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (or None), got {value!r}")

@@ -86,6 +86,7 @@ def speculative_generate(
     draft_vocab_size: int | None = None,
     draft_cost: float | None = None,
     verify_cost: float | None = None,
+    verify_knee_cost: float | None = None,
     tree: bool | None = None,
     draft_window: int | None = None,
     speculative_config: SpeculativeConfig | None = None,
@@ -106,7 +107,7 @@ def speculative_generate(
     config = _resolve_config(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
-        tree=tree, draft_window=draft_window,
+        verify_knee_cost=verify_knee_cost, tree=tree, draft_window=draft_window,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
@@ -338,14 +339,17 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     reach = retrieval_reach(retrieved, acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
+    if prefill:
+        policy.note_retrieval(bool(keep) and policy.tree_rate(reach, keep) >= policy.expected_draft_rate())
     draft = policy.should_draft(prefill, room)
     if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size])
+    unverified = (continuations[0], size) if continuations else None
     if not draft:
-        return Proposal.nothing(1, device)
+        return dataclasses.replace(Proposal.nothing(1, device), unverified=unverified)
     chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(1)))
     if not chain.num_tokens:
-        return chain
+        return dataclasses.replace(chain, unverified=unverified)
     merged = Trie()
     nodes = merged.insert(chain.tokens[0].tolist(), DRAFT, count=False)
     confidences = chain.confidences[0] if chain.confidences else None
@@ -363,7 +367,9 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
         merged.insert(continuation, NGRAM, count=True)
     reach = retrieval_reach(merged, acceptance, draft_acceptance, siblings)
     keep = policy.select_nodes(reach, list(range(chain.num_tokens)), chain.forwards, config.tree_max_nodes)
-    return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size])
+    if any(merged.origins[j] == NGRAM for j in keep):
+        unverified = None
+    return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size], unverified=unverified)
 
 
 def verify(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -504,6 +510,9 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
             tree.retrieval_outcomes(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
         )
+    if proposal.unverified is not None:
+        continuation, size = proposal.unverified
+        state.policy.observe_unverified(continuation, verdict.tokens[0][: emission.counts[0]], size)
 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:
@@ -598,7 +607,7 @@ def _start(
     # A foreign generator is used as it is, every round; our drafters take part in the cost model.
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
-        draft_cost=config.draft_cost, verify_cost=config.verify_cost, rows=rows,
+        draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or lookup is not None)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))

@@ -24,13 +24,19 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
 * the draft's prefill: before the draft model has encoded the prompt, drafting costs that encoding
   too, P = rho * d * n for n prompt tokens (rho: draft over target prefill time per token; d, the
   verify token cost, is what one more token costs the target). Over the R tokens still to generate,
-  a draft of rate r then has the effective rate R / (R / r + P): it is used only where that beats
-  the alternative (retrieval, or a plain step at rate 1), so a long prompt with a short answer, or
-  retrieval that already pays, never pays the draft's prefill.
+  a draft of rate r then has the effective rate R' / (R' / r + P), R' = R (1 - s) the tokens it is
+  expected to draft (s: the share of rounds so far in which retrieval beat a warm draft, shrunk
+  toward 0): it is used only where that beats the alternative (retrieval, or a plain step at rate
+  1), so a long prompt with a short answer, or retrieval that keeps paying, never pays the draft's
+  prefill.
 
 Both costs are measured online from the rounds' wall times: c from draft time per draft forward
 over the target's one-token step time, d from a least-squares fit of verify time against the
 verify width (forgetting old rounds exponentially). Until a fit is possible, priors stand in.
+Verify time is not linear in width on a CPU: past a knee (9 tokens) the forward stops being bound by
+reading the weights and each token costs about twice as much. One row's verify forward over w
+tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once rounds on both
+sides of the knee have been timed; trees and lookup lengths are chosen on that curve.
 
 None of this touches exactness: every decision depends only on the past and on the draft's own
 proposals, and each drafted position is still verified by the rejection rule. Measured costs come
@@ -66,10 +72,22 @@ class PolicySettings:
     # Rows in the batch: before the fit, one more verify column costs `rows` tokens of target compute,
     # d = prior_verify_cost x rows (measured, evals/results/batch-widths: 0.12 at batch 4, 0.20 at 8).
     rows: int = 1
+    # Wide verify forwards: past `verify_knee` tokens each more token costs e on top of d (on a CPU a
+    # forward leaves the memory-bound regime; on the real pair's cost table d is 0.02-0.03 below 9
+    # tokens and 0.04-0.05 above, evals/results/standard/cost_table.json). e is fitted online from
+    # rounds on both sides of the knee (single rows only; a batch prices columns at d x rows).
+    verify_knee: int = 9
+    verify_knee_cost: float | None = None  # pin e instead of measuring it (pinning d alone pins e at its prior)
+    prior_verify_knee_cost: float = 0.02
     # rho: draft prefill time over the target's for the same tokens. Measured on the real pair (0.5B
     # int8 draft, 1.5B target, 2 CPU cores, 380-1300-token prompts): 0.31-0.37.
     prefill_ratio: float = 0.35
+    # The draft's prefill is spread over the tokens the draft is expected to draft: the tokens still
+    # to generate times the share of rounds in which retrieval would not beat a warm draft. The share
+    # starts from this many pseudo-rounds in which retrieval lost (so one lucky lookup decides nothing).
+    retrieval_prior_rounds: float = 2.0
     probe_interval: int = 8  # plain rounds before drafting is tried again
+    ngram_prior_observations: float = 2.0  # weight of the all-sizes acceptance in a new size's estimate
     ema_weight: float = 0.2  # weight of the newest round in running estimates
     calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)
     calibration_prior: float = 2.0  # pseudo-observations per bin at acceptance = bin centre
@@ -77,10 +95,12 @@ class PolicySettings:
     def __post_init__(self) -> None:
         if self.max_draft_tokens < 1:
             raise ValueError(f"max_draft_tokens must be >= 1, got {self.max_draft_tokens}")
-        for name in ("draft_cost", "verify_cost"):
+        for name in ("draft_cost", "verify_cost", "verify_knee_cost"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.verify_knee < 1:
+            raise ValueError(f"verify_knee must be >= 1, got {self.verify_knee}")
 
 
 @dataclass
@@ -96,13 +116,21 @@ class PolicyState:
     fit_y: float = 0.0  # seconds
     fit_xx: float = 0.0
     fit_xy: float = 0.0
+    # ... and for the knee feature z = max(0, width - verify_knee): seconds = t1 (1 + d x + e z).
+    fit_z: float = 0.0
+    fit_zz: float = 0.0
+    fit_xz: float = 0.0
+    fit_zy: float = 0.0
     first_acceptance: float = 0.7  # running acceptance of draft position 1 (optimistic: try drafting)
     token_acceptance: float = 0.7  # running acceptance of any reached draft position
     ngram_acceptance: float = 0.8  # running per-token acceptance of n-gram proposals (optimistic), all sizes
     # The same per size n of the match a proposal follows (1-gram matches are weaker clues than
     # 3-gram ones); a size not seen yet starts from `ngram_acceptance`.
     ngram_acceptance_by_size: dict[int, float] = field(default_factory=dict)
+    ngram_seen_by_size: dict[int, int] = field(default_factory=dict)  # lookup positions observed per size
     draft_rate: float | None = None  # running tokens per unit cost of draft-model rounds
+    retrieval_wins: float = 0.0  # rounds in which retrieval's best tree beat the warm draft's expected rate
+    retrieval_rounds: float = 0.0  # rounds in which that was compared
     plain_streak: int = 0
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
@@ -142,11 +170,51 @@ class DraftPolicy:
             return None
         return t1, min(1.0, max(0.0, slope / t1))
 
+    def _knee_fit(self) -> tuple[float, float, float] | None:
+        """(t1, d, e) from the weighted least-squares plane through (width - 1, knee excess, seconds),
+        or None until widths on both sides of the knee separate the two slopes."""
+        s = self.state
+        if s.fit_n <= 0:
+            return None
+        n = s.fit_n
+        mx, mz, my = s.fit_x / n, s.fit_z / n, s.fit_y / n
+        vxx, vzz, vxz = s.fit_xx / n - mx * mx, s.fit_zz / n - mz * mz, s.fit_xz / n - mx * mz
+        vxy, vzy = s.fit_xy / n - mx * my, s.fit_zy / n - mz * my
+        det = vxx * vzz - vxz * vxz
+        # z's spread left over after x explains what it can (det / vxx), in tokens squared
+        if vxx < 0.25 or det < 0.25 * vxx:
+            return None
+        bx, bz = (vxy * vzz - vzy * vxz) / det, (vzy * vxx - vxy * vxz) / det
+        t1 = my - bx * mx - bz * mz
+        if t1 <= 0:
+            return None
+        return t1, min(1.0, max(0.0, bx / t1)), min(1.0, max(0.0, bz / t1))
+
+    @property
+    def knee_cost(self) -> float:
+        """e: what each verify token past the knee costs on top of d, in target steps (0 in a batch)."""
+        if self.settings.rows > 1:
+            return 0.0
+        if self.settings.verify_knee_cost is not None:
+            return self.settings.verify_knee_cost
+        if self.settings.verify_cost is not None:  # d pinned: the curve reads no clock either (e = prior)
+            return self.settings.prior_verify_knee_cost
+        fit = self._knee_fit()
+        return self.settings.prior_verify_knee_cost if fit is None else fit[2]
+
+    def verify_width_cost(self, width: int) -> float:
+        """One verifying forward over `width` tokens (the pending one included), in target steps."""
+        return 1.0 + self.verify_cost * (width - 1) + self.knee_cost * max(0, width - self.settings.verify_knee)
+
     @property
     def verify_cost(self) -> float:
         """d: one more token in the verifying forward, in units of one target step."""
         if self.settings.verify_cost is not None:
             return self.settings.verify_cost
+        if self.settings.rows == 1 and self.settings.verify_knee_cost is None:
+            knee = self._knee_fit()
+            if knee is not None:
+                return knee[1]
         fit = self._fit()
         return min(1.0, self.settings.prior_verify_cost * self.settings.rows) if fit is None else fit[1]
 
@@ -156,7 +224,8 @@ class DraftPolicy:
         s = self.state
         if s.fit_n <= 0:
             return None
-        fit = self._fit()
+        fit = self._knee_fit() if self.settings.rows == 1 else None
+        fit = fit or self._fit()
         if fit is not None:
             return fit[0]
         return (s.fit_y / s.fit_n) / (1 + self.verify_cost * (s.fit_x / s.fit_n))
@@ -194,6 +263,11 @@ class DraftPolicy:
         s.fit_y = decay * s.fit_y + y
         s.fit_xx = decay * s.fit_xx + x * x
         s.fit_xy = decay * s.fit_xy + x * y
+        z = max(0, width - self.settings.verify_knee)
+        s.fit_z = decay * s.fit_z + z
+        s.fit_zz = decay * s.fit_zz + z * z
+        s.fit_xz = decay * s.fit_xz + x * z
+        s.fit_zy = decay * s.fit_zy + z * y
 
     # ------------------------------------------------------------ the round plan
 
@@ -204,10 +278,16 @@ class DraftPolicy:
         return self.state.ngram_acceptance_by_size.get(size, self.state.ngram_acceptance)
 
     def _observe_ngram(self, size: int | None, accepted: float) -> None:
+        """One lookup position reached (accepted 1.0 or 0.0). A size's estimate starts from the
+        all-sizes value weighted as `ngram_prior_observations` observations: a running mean at
+        first (a size that fails is dropped within a few rounds), the moving average later."""
         s, w = self.state, self.settings.ema_weight / 2
         s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w)
         if size:
-            s.ngram_acceptance_by_size[size] = _ema(self.ngram_acceptance_for(size), accepted, w)
+            seen = s.ngram_seen_by_size.get(size, 0)
+            weight = max(w, 1 / (seen + 1 + self.settings.ngram_prior_observations))
+            s.ngram_acceptance_by_size[size] = _ema(self.ngram_acceptance_for(size), accepted, weight)
+            s.ngram_seen_by_size[size] = seen + 1
 
     def ngram_length(self, available: int, rows: int = 1, size: int | None = None) -> tuple[int, float]:
         """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate,
@@ -219,7 +299,7 @@ class DraftPolicy:
         for length in range(1, available + 1):
             p *= g
             tokens += p
-            rate = tokens / (1 + length * d)
+            rate = tokens / (self.verify_width_cost(length + 1) if rows == 1 else 1 + length * d)
             if rate > best_rate:
                 best, best_rate = length, rate
         return best, best_rate
@@ -228,14 +308,28 @@ class DraftPolicy:
         """P: the draft encoding `tokens` tokens, in target steps (rho * d * tokens)."""
         return self.settings.prefill_ratio * self.verify_cost * tokens
 
+    @property
+    def retrieval_share(self) -> float:
+        """The share of rounds in which retrieval beats a warm draft (`note_retrieval`), shrunk toward 0."""
+        s = self.state
+        return s.retrieval_wins / (s.retrieval_rounds + self.settings.retrieval_prior_rounds)
+
+    def note_retrieval(self, wins: bool) -> None:
+        """One round's comparison: retrieval's best tree against the draft's expected rate, the draft's
+        prefill left out (whether retrieval would take this round from a draft already warm)."""
+        self.state.retrieval_rounds += 1
+        self.state.retrieval_wins += float(wins)
+
     def expected_draft_rate(self, prefill: int = 0, remaining: int | None = None) -> float:
         """Expected tokens per unit of cost of draft-model rounds; with `prefill` tokens still to
-        encode in the draft, spread over the `remaining` tokens to generate."""
+        encode in the draft, spread over the tokens the draft is expected to draft: the `remaining`
+        ones times the share of rounds retrieval would not take (`retrieval_share`)."""
         rate = self.state.draft_rate
         if rate is None:
             rate = (1 + self.state.first_acceptance) / (1 + self.cost + self.verify_cost)
         if prefill and remaining:
-            rate = remaining / (remaining / rate + self.prefill_cost(prefill))
+            drafted = remaining * (1 - self.retrieval_share)
+            rate = drafted / (drafted / rate + self.prefill_cost(prefill))
         return rate
 
     def should_draft(self, prefill: int = 0, remaining: int | None = None) -> bool:
@@ -266,12 +360,12 @@ class DraftPolicy:
         """Tree nodes to verify: the `fixed` ones (the draft chain, already drafted), then, best first,
         every node whose estimated acceptance r (`reach`, non-increasing from parent to child) raises
         the round's expected tokens per unit of cost: with E tokens for cost C so far, one more node
-        adds r tokens for d, which pays when r * C > d * E. Parents always come before children."""
-        d = self.verify_cost
+        adds r tokens for its verify cost d' (d, plus e past the knee), which pays when r * C > d' * E. Parents always come before children."""
         chosen = set(fixed)
         tokens = 1.0 + sum(reach[j] for j in fixed)
-        cost = 1.0 + draft_forwards * self.cost + len(fixed) * d
+        cost = draft_forwards * self.cost + self.verify_width_cost(1 + len(fixed))
         for j in sorted((j for j in range(len(reach)) if j not in chosen), key=lambda j: (-reach[j], j)):
+            d = self.verify_width_cost(2 + len(chosen)) - self.verify_width_cost(1 + len(chosen))  # this node's cost
             if len(chosen) >= max_nodes or reach[j] * cost <= d * tokens:
                 break
             chosen.add(j)
@@ -280,7 +374,7 @@ class DraftPolicy:
 
     def tree_rate(self, reach: list[float], nodes: list[int], draft_forwards: int = 0) -> float:
         """Expected tokens per unit of cost of verifying `nodes`."""
-        return (1.0 + sum(reach[j] for j in nodes)) / (1.0 + draft_forwards * self.cost + len(nodes) * self.verify_cost)
+        return (1.0 + sum(reach[j] for j in nodes)) / (draft_forwards * self.cost + self.verify_width_cost(1 + len(nodes)))
 
     # ------------------------------------------------------------ while drafting
 
@@ -344,6 +438,17 @@ class DraftPolicy:
             if source == DRAFT:
                 rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
                 s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)
+
+    def observe_unverified(self, proposed: list[int], emitted: list[int], size: int | None) -> None:
+        """A lookup the round did not verify, scored against the tokens the round emitted: position i
+        counts as accepted when it equals the emitted token there, up to the first that does not. Each
+        emitted token is distributed as p given the tokens before it (the output is exact), so the
+        chance that it equals a proposed x is p(x): what verifying x would have accepted it with. The
+        estimate is unbiased, and free: no forward is spent on it."""
+        for mine, actual in zip(proposed, emitted):
+            self._observe_ngram(size, float(mine == actual))
+            if mine != actual:
+                break
 
     def observe_tree(
         self,

@@ -52,6 +52,13 @@ def test_pinned_costs_and_drift_from_the_table():
     pins = table.pinned_costs(100)
     assert pins["draft_cost"] == pytest.approx(0.1)
     assert pins["verify_cost"] == pytest.approx(0.1)  # 0.1 s per extra token over a 1 s step
+    assert pins["verify_knee_cost"] == 0.0  # nothing measured past 9 tokens
+    wide = hand_table()
+    wide.widths.append(17)
+    for row in wide.forwards["target"]:
+        row.append(row[-1] + 8 * 0.3 * row[0])  # 0.3 steps per token past 9: e = 0.3 - d = 0.2
+    assert wide.pinned_costs(100)["verify_knee_cost"] == pytest.approx(0.2)
+    assert wide.pinned_costs(100)["verify_cost"] == pytest.approx(0.1)
     other = hand_table()
     other.forwards["target"][1][2] *= 1.25
     assert table.drift(other) == pytest.approx(0.25)

@@ -136,6 +136,49 @@ def test_policy_keeps_an_acceptance_per_match_size():
     assert ngram_match(sequence, 3, 2, 4)[1] == 0
 
 
+def test_policy_fits_the_verify_knee_and_prices_wide_rounds_on_it():
+    """Verify time with a knee at 9 tokens: d below it, d + e past it; both slopes are recovered, and
+    lookup lengths stop where the dearer tokens no longer pay."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8))
+    assert policy.knee_cost == policy.settings.prior_verify_knee_cost  # nothing timed yet
+    policy.observe_timing(0.0, 0, 9.0, 3)  # the prompt's forward: skipped
+    for width in (1, 3, 9, 5, 2, 9, 1):  # only narrow rounds: e stays at its prior, d is fitted
+        policy.observe_timing(0.0, 0, 0.5 * (1 + 0.05 * (width - 1)), width)
+    assert policy.verify_cost == pytest.approx(0.05) and policy.knee_cost == policy.settings.prior_verify_knee_cost
+    for width in (17, 25, 13, 1, 33, 9, 21, 3):
+        policy.observe_timing(0.0, 0, 0.5 * (1 + 0.05 * (width - 1) + 0.1 * max(0, width - 9)), width)
+    assert policy.verify_cost == pytest.approx(0.05) and policy.knee_cost == pytest.approx(0.1)
+    assert policy.verify_width_cost(17) == pytest.approx(1 + 0.05 * 16 + 0.1 * 8)
+    assert policy.target_step_seconds == pytest.approx(0.5)
+    # A lookup accepted 85% of the time: past the knee each token's expected gain is below its price.
+    cheap = DraftPolicy(PolicySettings(verify_cost=0.02, verify_knee_cost=0.0), PolicyState(ngram_acceptance=0.85))
+    dear = DraftPolicy(PolicySettings(verify_cost=0.02, verify_knee_cost=0.3), PolicyState(ngram_acceptance=0.85))
+    assert cheap.ngram_length(30)[0] > 8 and dear.ngram_length(30)[0] <= 8
+    assert dear.select_nodes([0.85 ** (j + 1) for j in range(30)], [], 0, 30) == list(range(dear.ngram_length(30)[0]))
+    # In a batch a column is priced at d x rows, without the single-row knee.
+    assert DraftPolicy(PolicySettings(rows=4, verify_knee_cost=0.3)).knee_cost == 0.0
+    with pytest.raises(ValueError, match="verify_knee_cost"):
+        PolicySettings(verify_knee_cost=-1.0)
+
+
+def test_policy_learns_lookups_it_did_not_verify():
+    """A lookup the round did not verify is scored against what the round emitted, up to the first
+    token that differs: a match size that keeps missing loses its optimistic prior without ever being
+    verified, and one that keeps matching keeps it."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8))
+    prior = policy.ngram_acceptance_for(1)
+    assert policy.ngram_length(10, size=1)[0] > 0
+    for _ in range(30):
+        policy.observe_unverified([4, 5, 6], [7, 5, 6], size=1)  # first token differs: one rejection
+        policy.observe_unverified([1, 2, 3, 8], [1, 2, 3], size=3)  # three accepted, the fourth not emitted
+    assert policy.ngram_acceptance_for(1) < 0.1 < prior
+    assert policy.ngram_acceptance_for(3) > prior
+    assert policy.ngram_length(10, size=1)[0] <= 1 and policy.plan(10, ngram_size=1)[0] == DRAFT
+    before = policy.ngram_acceptance_for(2)
+    policy.observe_unverified([], [1, 2], size=2)  # nothing proposed: nothing learned
+    assert policy.ngram_acceptance_for(2) == before
+
+
 # ---------------------------------------------------------------- greedy identity with the levers on
 
 
@@ -256,6 +299,19 @@ def test_policy_counts_the_drafts_prefill():
     policy.state.ngram_acceptance = 0.3
     assert policy.plan(4)[0] == DRAFT and policy.should_draft(300, 60)
     assert policy.plan(4, prefill=300, remaining=60)[0] == NGRAM
+    # The prefill is spread over the tokens the draft is expected to draft: where retrieval keeps
+    # beating a warm draft, a cold draft that would pay over all 200 remaining tokens is not started.
+    assert policy.retrieval_share == 0.0 and policy.should_draft(300, 200)
+    policy.note_retrieval(True)
+    assert policy.retrieval_share == pytest.approx(1 / 3)  # two pseudo-rounds lost: one win decides little
+    assert policy.should_draft(300, 200)
+    for _ in range(30):
+        policy.note_retrieval(True)
+    assert policy.retrieval_share > 0.9 and not policy.should_draft(300, 200)
+    assert policy.expected_draft_rate() == warm  # a warm draft's rate is unchanged
+    for _ in range(60):
+        policy.note_retrieval(False)
+    assert policy.should_draft(300, 200)
 
 
 def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):

@@ -41,6 +41,10 @@ class Proposal:
     # Retrieval: per row the size n of the n-gram match its lookup follows (0: none; the cost model
     # keeps an acceptance per size). None: no retrieval in this proposal.
     match_sizes: list[int] | None = None
+    # One row: the retrieved continuation the round did not verify (the draft model was preferred, or
+    # no node paid) and the size of its match. The cost model scores it against the tokens the round
+    # emits, so each match size's acceptance is learned in every round, not only where it was tried.
+    unverified: tuple[list[int], int] | None = None
 
     @property
     def num_tokens(self) -> int:

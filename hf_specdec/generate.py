@@ -341,7 +341,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
     if prefill:
         policy.note_retrieval(bool(keep) and policy.tree_rate(reach, keep) >= policy.expected_draft_rate())
-    draft = policy.should_draft(prefill, room)
+    draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
     if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size])
     unverified = (continuations[0], size) if continuations else None
@@ -513,6 +513,8 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
     if proposal.unverified is not None:
         continuation, size = proposal.unverified
         state.policy.observe_unverified(continuation, verdict.tokens[0][: emission.counts[0]], size)
+    if state.trees and not proposal.forwards and state.drafter.prefill_tokens(state.batch.width):
+        state.policy.observe_cold_round(proposal.num_tokens + 1, emission.counts[0])
 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:

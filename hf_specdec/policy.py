@@ -28,7 +28,10 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   expected to draft (s: the share of rounds so far in which retrieval beat a warm draft, shrunk
   toward 0): it is used only where that beats the alternative (retrieval, or a plain step at rate
   1), so a long prompt with a short answer, or retrieval that keeps paying, never pays the draft's
-  prefill.
+  prefill. With retrieval (single rows), the draft also waits until the rounds taken without it have
+  lost, against a warm draft's expected rate, as much as its prefill costs (ski rental: at most twice
+  the cost of the best choice in hindsight): the share is unknown in the first rounds, when the
+  decision is made.
 
 Both costs are measured online from the rounds' wall times: c from draft time per draft forward
 over the target's one-token step time, d from a least-squares fit of verify time against the
@@ -88,6 +91,10 @@ class PolicySettings:
     retrieval_prior_rounds: float = 2.0
     probe_interval: int = 8  # plain rounds before drafting is tried again
     ngram_prior_observations: float = 2.0  # weight of the all-sizes acceptance in a new size's estimate
+    # Ski rental for the draft's prefill (single rows with retrieval): a cold draft is started only
+    # once the rounds taken without it have lost, against a warm draft's expected rate, this many
+    # times what its prefill costs. 0: no such wait (the expected-value rule alone decides).
+    prefill_patience: float = 1.0
     ema_weight: float = 0.2  # weight of the newest round in running estimates
     calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)
     calibration_prior: float = 2.0  # pseudo-observations per bin at acceptance = bin centre
@@ -131,6 +138,7 @@ class PolicyState:
     draft_rate: float | None = None  # running tokens per unit cost of draft-model rounds
     retrieval_wins: float = 0.0  # rounds in which retrieval's best tree beat the warm draft's expected rate
     retrieval_rounds: float = 0.0  # rounds in which that was compared
+    cold_regret: float = 0.0  # target steps lost, against a warm draft, by rounds taken while the draft was cold
     plain_streak: int = 0
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
@@ -319,6 +327,18 @@ class DraftPolicy:
         prefill left out (whether retrieval would take this round from a draft already warm)."""
         self.state.retrieval_rounds += 1
         self.state.retrieval_wins += float(wins)
+
+    def observe_cold_round(self, width: int, emitted: int) -> None:
+        """A round taken while the draft was cold: `width` tokens verified, `emitted` emitted. It lost
+        what it cost beyond what a warm draft would have spent on the same tokens."""
+        self.state.cold_regret += max(0.0, self.verify_width_cost(width) - emitted / self.expected_draft_rate())
+
+    def prefill_earned(self, prefill: int) -> bool:
+        """Whether the rounds without the draft have lost enough to pay for its prefill (ski rental:
+        never more than twice the best choice in hindsight, whatever retrieval does next)."""
+        if not self.settings.adaptive or not prefill:
+            return True
+        return self.state.cold_regret >= self.settings.prefill_patience * self.prefill_cost(prefill)
 
     def expected_draft_rate(self, prefill: int = 0, remaining: int | None = None) -> float:
         """Expected tokens per unit of cost of draft-model rounds; with `prefill` tokens still to

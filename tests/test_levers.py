@@ -5,6 +5,7 @@ test_exactness.py), and each must actually be exercised (asserted through the ro
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -312,6 +313,39 @@ def test_policy_counts_the_drafts_prefill():
     for _ in range(60):
         policy.note_retrieval(False)
     assert policy.should_draft(300, 200)
+
+
+def test_a_cold_draft_waits_until_the_rounds_without_it_have_lost_its_prefill():
+    """Ski rental: rounds taken while the draft is cold add what they lost against a warm draft's
+    expected rate; the draft may start once that reaches its prefill's cost, and rounds whose
+    retrieval beat the draft add nothing."""
+    policy = DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03))
+    cost, rate = policy.prefill_cost(300), policy.expected_draft_rate()
+    assert policy.prefill_earned(0) and not policy.prefill_earned(300)
+    policy.observe_cold_round(width=12, emitted=8)  # retrieval that beat a warm draft: no loss
+    assert policy.state.cold_regret == 0.0
+    rounds = 0
+    while not policy.prefill_earned(300):
+        policy.observe_cold_round(width=1, emitted=1)  # a plain step: lost 1 - 1 / rate
+        rounds += 1
+    assert policy.state.cold_regret == pytest.approx(rounds * (1 - 1 / rate))
+    assert rounds == math.ceil(cost / (1 - 1 / rate)) > 1
+    assert DraftPolicy(PolicySettings(prefill_patience=0.0)).prefill_earned(300)
+    assert DraftPolicy(PolicySettings(adaptive=False)).prefill_earned(300)
+
+
+def test_with_retrieval_a_long_prompts_draft_starts_only_after_its_prefill_is_earned(arch):
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, noise=0.1)
+    prompt = torch.randint(2, 64, (1, 600), generator=torch.Generator().manual_seed(0))
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    rounds = []
+    out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_cost=0.25, verify_cost=0.03,
+               acceptance_sink=rounds.append)
+    assert torch.equal(out.sequences, plain)
+    sources = [r.source for r in rounds]
+    assert DRAFT in sources  # 40 tokens pay for the draft's 256-token window in the end ...
+    assert sources.index(DRAFT) >= 2  # ... but only after rounds without it have lost that much (< 1.3 steps a round)
 
 
 def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):

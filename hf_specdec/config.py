@@ -28,10 +28,11 @@ class SpeculativeConfig:
     # (n = ngram_max_size .. ngram_min_size) when the cost model expects it to beat the draft model.
     ngram: bool = True
     ngram_max_size: int = 3
-    # 1-gram matches too, as prompt lookup does. Once measured worse on 4 of 7 categories (each size
-    # was learned only where tried: evals/results/onegram/); since lookups the round did not verify
-    # are scored too, a weak size stops being tried within a few rounds.
-    ngram_min_size: int = 1
+    # The shortest match proposed. None: 1 in tree rounds (single rows), where every round also scores
+    # the lookups it did not verify, so a weak 1-gram is dropped within a few rounds; 2 in chains and
+    # batches, where 1-grams were measured worse on 4 of 7 categories (evals/results/onegram/). An
+    # explicit value is used everywhere.
+    ngram_min_size: int | None = None
     ngram_max_tokens: int = 32
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree
@@ -60,12 +61,18 @@ class SpeculativeConfig:
     # verify_cost pinned and this not, e is its prior (0.02): pinned runs never read the clock.
     verify_knee_cost: float | None = None
 
+    def lookup_min_size(self, trees: bool) -> int:
+        """The shortest n-gram match proposed, in tree rounds or not (`ngram_min_size`)."""
+        if self.ngram_min_size is not None:
+            return self.ngram_min_size
+        return 1 if trees else min(2, self.ngram_max_size)
+
     def __post_init__(self) -> None:
         if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
             raise ValueError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
         if self.draft_temperature is not None and not self.draft_temperature > 0:
             raise ValueError(f"draft_temperature must be > 0 (or None), got {self.draft_temperature!r}")
-        if not 1 <= self.ngram_min_size <= self.ngram_max_size:
+        if self.ngram_min_size is not None and not 1 <= self.ngram_min_size <= self.ngram_max_size:
             raise ValueError(
                 f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}"
             )

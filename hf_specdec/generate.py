@@ -605,7 +605,7 @@ def _start(
     drafter.start(rows)
     lookup = None
     if config.ngram and not foreign:
-        lookup = NgramDrafter(config.ngram_max_size, config.ngram_min_size, config.ngram_max_tokens)
+        lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees=False), config.ngram_max_tokens)
     # A foreign generator is used as it is, every round; our drafters take part in the cost model.
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
@@ -615,6 +615,8 @@ def _start(
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
     trees = config.tree and lookup is not None and rows == 1 and unpadded and can_gather((cache, drafter.cache))
+    if trees:
+        lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees=True), config.ngram_max_tokens)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")

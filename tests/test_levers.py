@@ -282,6 +282,9 @@ def test_speculative_config_and_bad_lever_values():
             spec(target, target, max_new_tokens=3, **bad)
     with pytest.raises(ValueError, match="ngram_min_size"):
         hf_specdec.SpeculativeConfig(ngram_min_size=4, ngram_max_size=3)
+    default = hf_specdec.SpeculativeConfig()  # 1-gram matches in tree rounds only; an explicit value everywhere
+    assert default.lookup_min_size(trees=True) == 1 and default.lookup_min_size(trees=False) == 2
+    assert hf_specdec.SpeculativeConfig(ngram_min_size=3).lookup_min_size(trees=True) == 3
 
 
 # ---------------------------------------------------------------- the draft's prefill: counted, windowed

@@ -54,7 +54,7 @@ class NgramDrafter(Drafter):
     def __init__(
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
-        min_ngram: int = _DEFAULTS.ngram_min_size,
+        min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
         max_tokens: int = _DEFAULTS.ngram_max_tokens,
     ):
         if not 1 <= min_ngram <= max_ngram:
@@ -104,7 +104,7 @@ class NgramCandidateGenerator(CandidateGenerator):
     def __init__(
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
-        min_ngram: int = _DEFAULTS.ngram_min_size,
+        min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
         max_tokens: int = _DEFAULTS.ngram_max_tokens,
     ):
         self.drafter = NgramDrafter(max_ngram, min_ngram, max_tokens)

@@ -36,22 +36,22 @@ sys.path.insert(0, str(HERE))
 from costs import CostTable  # noqa: E402
 
 from hf_specdec.policy import DraftPolicy, PolicySettings  # noqa: E402
-from hf_specdec.proposals.tree import Trie, retrieval_reach, retrieve, subtree  # noqa: E402
+from hf_specdec.proposals.base import Tree  # noqa: E402
+from hf_specdec.proposals.tree import Trie, depths, retrieval_reach, retrieve, subtree  # noqa: E402
+from hf_specdec.verify import greedy_tree_verification  # noqa: E402
 from hf_specdec.stats import NGRAM  # noqa: E402
 
 
 def accepted_walk(tokens: list[int], parents: list[int], truth: list[int]) -> list[int]:
-    """Greedy tree verification against the known continuation `truth`: the accepted nodes."""
-    children: dict[int, list[int]] = {}
-    for j, parent in enumerate(parents):
-        children.setdefault(parent, []).append(j)
-    node, path = -1, []
-    for token in truth:
-        node = next((c for c in children.get(node, ()) if tokens[c] == token), None)
-        if node is None:
-            break
-        path.append(node)
-    return path
+    """Greedy tree verification (the library's) against the known continuation `truth`: the accepted
+    nodes. The target's argmax after a node at depth i is truth[i + 1]; past the end of `truth`, none."""
+    depth = depths(parents)
+
+    def argmax_at(node: int) -> int:
+        i = 0 if node < 0 else depth[node] + 1
+        return truth[i] if i < len(truth) else -1
+
+    return greedy_tree_verification(tokens, parents, argmax_at)[0]
 
 
 def prompt_lookup_chain(sequence: list[int], max_ngram: int = 2, num_tokens: int = 10) -> list[int]:
@@ -122,10 +122,7 @@ def retrieval(verify_cost: float, knee_cost: float, min_ngram: int = 2, max_ngra
         tokens, parents = subtree(trie, keep)
 
         def observe(path):
-            children: dict[int, list[int]] = {}
-            for j, parent in enumerate(parents):
-                children.setdefault(parent, []).append(j)
-            outcomes = [step < len(path) for step, node in enumerate([-1] + path) if children.get(node)]
+            outcomes = Tree(parents, chain=0, retrieved=[True] * len(parents)).retrieval_outcomes(path)
             policy.observe_tree(0, 0, None, outcomes, size)
 
         return tokens, parents, observe

@@ -339,10 +339,11 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     reach = retrieval_reach(retrieved, acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
+    rate = policy.tree_rate(reach, keep) if keep else 0.0
     if prefill:
-        policy.note_retrieval(bool(keep) and policy.tree_rate(reach, keep) >= policy.expected_draft_rate())
+        policy.note_retrieval(rate >= policy.expected_draft_rate())
     draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
-    if keep and (not draft or policy.tree_rate(reach, keep) >= policy.expected_draft_rate(prefill, room)):
+    if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size])
     unverified = (continuations[0], size) if continuations else None
     if not draft:
@@ -603,20 +604,17 @@ def _start(
     drafter, foreign = _drafter(config, assistant, candidate_generator, logits_processor, generation_config,
                                 generator, input_ids)
     drafter.start(rows)
-    lookup = None
-    if config.ngram and not foreign:
-        lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees=False), config.ngram_max_tokens)
+    use_lookup = config.ngram and not foreign
     # A foreign generator is used as it is, every round; our drafters take part in the cost model.
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
     ))
-    decides_on_time = policy.measures_time and (policy.settings.adaptive or lookup is not None)
+    decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
-    trees = config.tree and lookup is not None and rows == 1 and unpadded and can_gather((cache, drafter.cache))
-    if trees:
-        lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees=True), config.ngram_max_tokens)
+    trees = config.tree and use_lookup and rows == 1 and unpadded and can_gather((cache, drafter.cache))
+    lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees), config.ngram_max_tokens) if use_lookup else None
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")

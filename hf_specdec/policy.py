@@ -210,9 +210,15 @@ class DraftPolicy:
         fit = self._knee_fit()
         return self.settings.prior_verify_knee_cost if fit is None else fit[2]
 
+    def verify_pricer(self) -> Callable[[int], float]:
+        """width -> one verifying forward over `width` tokens (the pending one included), in target
+        steps, with d and e read once (the fits are not recomputed inside loops over widths)."""
+        d, e, knee = self.verify_cost, self.knee_cost, self.settings.verify_knee
+        return lambda width: 1.0 + d * (width - 1) + e * max(0, width - knee)
+
     def verify_width_cost(self, width: int) -> float:
-        """One verifying forward over `width` tokens (the pending one included), in target steps."""
-        return 1.0 + self.verify_cost * (width - 1) + self.knee_cost * max(0, width - self.settings.verify_knee)
+        """One verifying forward over `width` tokens, in target steps (`verify_pricer`)."""
+        return self.verify_pricer()(width)
 
     @property
     def verify_cost(self) -> float:
@@ -303,11 +309,12 @@ class DraftPolicy:
         for every row: each column is priced at d x rows against that row's gain (the batch's plain
         rate is rows tokens a step)."""
         g, d = self.ngram_acceptance_for(size), self.verify_cost * rows
+        price = self.verify_pricer() if rows == 1 else (lambda width: 1 + (width - 1) * d)
         best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
         for length in range(1, available + 1):
             p *= g
             tokens += p
-            rate = tokens / (self.verify_width_cost(length + 1) if rows == 1 else 1 + length * d)
+            rate = tokens / price(length + 1)
             if rate > best_rate:
                 best, best_rate = length, rate
         return best, best_rate
@@ -380,12 +387,13 @@ class DraftPolicy:
         """Tree nodes to verify: the `fixed` ones (the draft chain, already drafted), then, best first,
         every node whose estimated acceptance r (`reach`, non-increasing from parent to child) raises
         the round's expected tokens per unit of cost: with E tokens for cost C so far, one more node
-        adds r tokens for its verify cost d' (d, plus e past the knee), which pays when r * C > d' * E. Parents always come before children."""
-        chosen = set(fixed)
+        adds r tokens for its verify cost d' (d, plus e past the knee), which pays when r * C > d' * E.
+        Parents always come before children."""
+        price, chosen = self.verify_pricer(), set(fixed)
         tokens = 1.0 + sum(reach[j] for j in fixed)
-        cost = draft_forwards * self.cost + self.verify_width_cost(1 + len(fixed))
+        cost = draft_forwards * self.cost + price(1 + len(fixed))
         for j in sorted((j for j in range(len(reach)) if j not in chosen), key=lambda j: (-reach[j], j)):
-            d = self.verify_width_cost(2 + len(chosen)) - self.verify_width_cost(1 + len(chosen))  # this node's cost
+            d = price(2 + len(chosen)) - price(1 + len(chosen))  # this node's cost
             if len(chosen) >= max_nodes or reach[j] * cost <= d * tokens:
                 break
             chosen.add(j)

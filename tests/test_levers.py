@@ -169,6 +169,10 @@ def test_policy_learns_lookups_it_did_not_verify():
     policy = DraftPolicy(PolicySettings(max_draft_tokens=8))
     prior = policy.ngram_acceptance_for(1)
     assert policy.ngram_length(10, size=1)[0] > 0
+    for _ in range(3):
+        policy.observe_unverified([4], [7], size=2)
+    # a running mean from the prior (2 pseudo-observations): about 0.8 * 2 / 5, not a slow average's 0.8 * 0.9^3
+    assert policy.ngram_acceptance_for(2) < 0.35 < prior * 0.9 ** 3
     for _ in range(30):
         policy.observe_unverified([4, 5, 6], [7, 5, 6], size=1)  # first token differs: one rejection
         policy.observe_unverified([1, 2, 3, 8], [1, 2, 3], size=3)  # three accepted, the fourth not emitted
@@ -348,7 +352,14 @@ def test_with_retrieval_a_long_prompts_draft_starts_only_after_its_prefill_is_ea
     assert torch.equal(out.sequences, plain)
     sources = [r.source for r in rounds]
     assert DRAFT in sources  # 40 tokens pay for the draft's 256-token window in the end ...
-    assert sources.index(DRAFT) >= 2  # ... but only after rounds without it have lost that much (< 1.3 steps a round)
+    # ... but only after the rounds without it have lost what its prefill costs, replayed from the records
+    first = sources.index(DRAFT)
+    replay = DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03))
+    for r in rounds[: first - 1]:
+        replay.observe_cold_round(len(r.draft_tokens) + 1, len(r.emitted_tokens))
+    assert not replay.prefill_earned(256)  # not earned a round earlier ...
+    replay.observe_cold_round(len(rounds[first - 1].draft_tokens) + 1, len(rounds[first - 1].emitted_tokens))
+    assert replay.prefill_earned(256)  # ... earned by the round before the draft's first
 
 
 def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):

@@ -55,6 +55,9 @@ ABLATIONS = {
     # Each source of trees alone: retrieval only (the draft priced out of every round), and the draft
     # model only (no retrieval, so chains: hf_no_ngram).
     "hf_retrieval_only": dict(draft_cost=1e3),
+    # Single levers of the cost model (SpeculativeConfig fields, passed as `speculative_config`).
+    "hf_min2": dict(config=dict(ngram_min_size=2)),  # no 1-gram matches, in trees either
+    "hf_no_wait": dict(config=dict(prefill_patience=0.0)),  # no ski rental for the draft's prefill
 }
 HF_METHODS = ("hf_specdec", *ABLATIONS)
 # Not in the defaults: transformers' assisted generation given the same quantized draft as hf_specdec.
@@ -146,6 +149,8 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
             kwargs["num_draft_tokens"] = num_draft_tokens
         ablation = dict(ABLATIONS.get(method, {}))
         draft = ablation.pop("draft", "hf")
+        if "config" in ablation:
+            kwargs["speculative_config"] = hf_specdec.SpeculativeConfig(**ablation.pop("config"))
         kwargs.update(assistant=drafts[draft], **pins[draft])
         kwargs.update(ablation)  # an ablation's settings win over the pinned costs
     torch.manual_seed(seed)

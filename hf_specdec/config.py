@@ -34,6 +34,10 @@ class SpeculativeConfig:
     # explicit value is used everywhere.
     ngram_min_size: int | None = None
     ngram_max_tokens: int = 32
+    # Ski rental for the draft's prefill (single rows with retrieval): a cold draft starts only once
+    # the rounds taken without it have lost, against a warm draft's expected rate, this many times
+    # what its prefill costs (`hf_specdec.policy.PolicySettings`). 0: no wait.
+    prefill_patience: float = 1.0
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree
     # attention mask; the cost model keeps the nodes that pay, at most tree_max_nodes. False: one
@@ -76,6 +80,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}"
             )
+        if not self.prefill_patience >= 0:
+            raise ValueError(f"prefill_patience must be >= 0, got {self.prefill_patience!r}")
         if self.ngram_max_tokens < 1:
             raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
         if self.tree_max_branches < 1 or self.tree_max_nodes < 1:

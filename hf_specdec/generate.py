@@ -609,6 +609,7 @@ def _start(
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
+        prefill_patience=config.prefill_patience,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))

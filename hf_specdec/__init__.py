@@ -24,6 +24,7 @@ from .proposals import (
     Proposal,
 )
 from .quantize import quantize_weights
+from .self_draft import early_exit_draft
 from .stats import AcceptanceStats, RoundRecord
 from .verify import (
     greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling, tree_speculative_sampling,
@@ -53,6 +54,7 @@ __all__ = [
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
     "StreamResult",
+    "early_exit_draft",
     "greedy_tree_verification",
     "generate_continuous",
     "greedy_verification",

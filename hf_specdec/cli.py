@@ -37,8 +37,17 @@ def generate_command(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     print(f"loading target {args.target} and draft {args.draft} (the first run downloads ~1.6 GB and converts)")
     target, tokenizer = load_model(args.target, device=args.device)
-    draft, draft_tokenizer = load_model(args.draft, device=args.device)
-    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    if args.draft.startswith("self:"):  # self-speculation: the target's first L layers (shared weights)
+        from .self_draft import early_exit_draft
+
+        layers = args.draft.split(":", 1)[1]
+        if not layers.isdigit():
+            raise SystemExit(f"--draft self:L takes a number of the target's layers, got {args.draft!r}")
+        draft = early_exit_draft(target, int(layers))
+        args.draft_bits = 16  # its weights are the target's: quantizing them in place would change the target
+    else:
+        draft, draft_tokenizer = load_model(args.draft, device=args.device)
+        check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
     if args.draft_bits != 16:
         from .quantize import quantize_weights
 
@@ -98,7 +107,8 @@ def main(argv: list[str] | None = None) -> None:
     gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", default=TARGET.name, help="registry name, local folder or hub id")
-    gen.add_argument("--draft", default=DRAFT.name, help="registry name, local folder or hub id")
+    gen.add_argument("--draft", default=DRAFT.name,
+                     help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit)")
     gen.add_argument("--max-new-tokens", type=int, default=128)
     gen.add_argument("--num-draft-tokens", type=int, default=None, help="most draft tokens per round (default 8)")
     gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,

@@ -243,6 +243,11 @@ def quantize_weights(
         raise ValueError(f"unsupported bits={bits!r}: quantize_weights supports {SUPPORTED_BITS} (16 = unchanged)")
     if bits == 16:
         return model
+    if getattr(model, "shares_weights_with", None) is not None:
+        raise ValueError(
+            "this model shares its weights with another (a self-speculative draft from "
+            "hf_specdec.early_exit_draft): quantizing it in place would quantize that model's layers too"
+        )
     problem = _kernel_problem(bits)
     if problem:
         raise ValueError(problem)

@@ -302,3 +302,32 @@ def test_analyses_end_to_end_on_tiny_models(tmp_path):
     run([sys.executable, str(ANALYSES), "--from-records", str(tmp_path / "records.jsonl"), "--out", str(tmp_path / "again")])
     again = json.loads((tmp_path / "again" / "summary.json").read_text())["summary"]
     assert again == summary
+
+
+def test_self_speculation_study_on_tiny_models(tmp_path):
+    run([sys.executable, str(ROOT / "evals" / "self_spec.py"), "--target", "tiny", "--draft", "tiny", "--threads", "1",
+         "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "summary.json").read_text())
+    summary = result["summary"]
+    assert list(summary) == ["exit1", "bf16", "int8"]  # the tiny target has 2 layers: one early exit
+    for entry in summary.values():
+        assert entry["cost"] > 0
+        for mode in ("greedy", "sampling"):
+            assert 0 <= entry[mode]["overall"] <= 1 and 1 <= entry[mode]["best_k"] <= 8
+            assert entry[mode]["predicted_speedup"] > 0
+    # one row per prompt and draft, a value per generated position
+    assert len(result["rows"]) == 3 * 7 and all(len(r["greedy"]) == len(r["sampling"]) > 0 for r in result["rows"])
+    assert {r["method"] for r in result["measured"]} == {"plain", "exit1", "int8"}
+    assert "| exit1 |" in (tmp_path / "report.md").read_text()
+
+
+def test_distillation_script_on_tiny_models(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    run([sys.executable, str(ROOT / "evals" / "distill.py"), "--target", "tiny", "--draft", "tiny", "--steps", "3",
+         "--new-tokens", "4", "--lr", "1e-3", "--checkpoint-every", "2", "--threads", "1", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert len(result["losses"]) == 3 and list(result["summary"]) == ["before", "after"]
+    assert (tmp_path / "checkpoint.pt").exists()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "draft")  # the saved draft loads as a model folder
+    assert "| after | greedy |" in (tmp_path / "report.md").read_text()

@@ -286,6 +286,8 @@ def test_speculative_config_and_bad_lever_values():
             spec(target, target, max_new_tokens=3, **bad)
     with pytest.raises(ValueError, match="ngram_min_size"):
         hf_specdec.SpeculativeConfig(ngram_min_size=4, ngram_max_size=3)
+    with pytest.raises(ValueError, match="prefill_patience"):
+        hf_specdec.SpeculativeConfig(prefill_patience=-1.0)
     default = hf_specdec.SpeculativeConfig()  # 1-gram matches in tree rounds only; an explicit value everywhere
     assert default.lookup_min_size(trees=True) == 1 and default.lookup_min_size(trees=False) == 2
     assert hf_specdec.SpeculativeConfig(ngram_min_size=3).lookup_min_size(trees=True) == 3

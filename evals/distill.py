@@ -1,0 +1,82 @@
+"""Distil the draft toward the target on tuning-split prompts, then compare acceptance before and after
+on the report split (`hf_specdec.distill`: on-policy samples, forward KL or total variation, a subset
+of the draft's layers; checkpoints every few steps, resumed on a rerun with the same --out).
+
+    python evals/distill.py --steps 300 --divergence tv --out runs/distill    # real pair, ~1 h on 2 CPU cores
+    python evals/distill.py --target tiny --draft tiny --steps 20 --out runs/tiny-distill   # offline, seconds
+
+The trained draft is saved to <out>/draft (a model folder: `--draft <out>/draft` in the CLI and the
+eval load it, and quantize it to int8 like the original). Acceptance is teacher-forced on the plain
+greedy outputs of a recorded run (`--records`, the report split's; see `self_spec.py`): per token,
+greedy (argmaxes agree) and sampling (sum min(p, q) at T = 0.7, top-p 0.95), per category. Writes
+<out>/report.md and <out>/summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from common import CATEGORIES, load_pair, load_prompts  # noqa: E402
+from hf_specdec.distill import DIVERGENCES, DistillConfig, Distiller  # noqa: E402
+from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
+from self_spec import acceptance, summarise, teacher_texts  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=TARGET.name)
+    parser.add_argument("--draft", default=DRAFT.name)
+    parser.add_argument("--records", default=str(HERE / "results" / "levers-report" / "records.jsonl"))
+    parser.add_argument("--divergence", choices=DIVERGENCES, default="tv")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--train-layers", nargs="+", type=int, default=None, help="decoder layer indices (default: the last two)")
+    parser.add_argument("--checkpoint-every", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--out", default="runs/distill")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")
+    original = copy.deepcopy(draft)
+    train_prompts = [p["input_ids"] for p in load_prompts(tokenizer, CATEGORIES, None, "tuning")]
+    config = DistillConfig(divergence=args.divergence, steps=args.steps, lr=args.lr, new_tokens=args.new_tokens,
+                           train_layers=None if args.train_layers is None else tuple(args.train_layers),
+                           checkpoint_every=args.checkpoint_every)
+    distiller = Distiller(target, draft, config, out)
+    print(f"{len(train_prompts)} tuning-split prompts; starting at step {distiller.step_count} of {config.steps}")
+    losses = distiller.train(train_prompts)
+    folder = distiller.save_draft(out / "draft", tokenizer)
+
+    prompts, tokens = teacher_texts(target, tokenizer, Path(args.records), args.target == "tiny")
+    distilled = distiller.draft.to(original.dtype)
+    rows = acceptance(target, {"before": original, "after": distilled}, [], prompts, tokens)
+    summary = summarise(rows, {}, 0.0)
+    lines = [f"# Distilled draft: acceptance before and after ({len(prompts)} report-split prompts)", "",
+             "    python evals/distill.py " + " ".join(argv if argv is not None else sys.argv[1:]), "",
+             f"{config.steps} steps, {config.divergence}, lr {config.lr}, {config.new_tokens} on-policy tokens a step, "
+             f"training divergence {losses[0]:.4f} (first step) -> {losses[-1]:.4f} (last); draft saved to {folder}.", "",
+             "| draft | mode | " + " | ".join(CATEGORIES) + " | all |", "| --- | --- |" + " --- |" * (len(CATEGORIES) + 1)]
+    for name, entry in summary.items():
+        for mode in ("greedy", "sampling"):
+            cells = [f"{entry[mode]['per_category'].get(c, float('nan')):.3f}" for c in CATEGORIES]
+            lines.append(f"| {name} | {mode} | " + " | ".join(cells) + f" | {entry[mode]['overall']:.3f} |")
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    (out / "summary.json").write_text(json.dumps(dict(config=config.__dict__, losses=losses, summary=summary)))
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Distil a draft toward its target (DistillSpec, Zhou et al. 2023, arXiv:2310.08461): on-policy data,
+a divergence over the full vocabulary, a chosen subset of the draft's layers trained.
+
+Each step takes one prompt (its last `context` tokens), lets the draft sample `new_tokens` of its own
+continuation (on-policy: the texts the draft will actually be asked to continue), scores prompt and
+continuation with the target in one forward, and moves the draft's distributions at the continuation's
+positions toward the target's by one AdamW step on
+
+* "fkl": forward KL, sum_t p(t) (log p(t) - log q(t)), or
+* "tv": total variation, 1/2 sum_t |p(t) - q(t)|, the quantity that sets acceptance: a draft token is
+  accepted with probability 1 - TV(p, q) at each position (Leviathan et al. 2023),
+
+with p and q at `temperature`, averaged over positions. Only the layers in `train_layers` (default:
+the draft's last two decoder layers) are trained, in float32; the embeddings and the head stay as they
+are. Exactness never depends on the draft: a distilled draft is verified like any other.
+
+A checkpoint (trained tensors, optimizer state, step) is written every `checkpoint_every` steps and
+picked up by a new `Distiller` on the same folder, so an interrupted run resumes where it stopped;
+each step's sample is seeded by (seed, step), so a resumed run repeats an uninterrupted one.
+`save_draft` writes a model folder that `hf_specdec.pair.load_model` (and the CLI's and the eval's
+`--draft PATH`) load, in the draft's original dtype; int8 quantization applies to it as to any draft.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from transformers import GenerationConfig
+
+from .self_draft import decoder_layers
+
+DIVERGENCES = ("fkl", "tv")
+
+
+@dataclass(frozen=True)
+class DistillConfig:
+    divergence: str = "fkl"
+    temperature: float = 1.0
+    new_tokens: int = 32  # the draft's own continuation per step
+    context: int = 256  # prompt tokens kept (the last ones)
+    train_layers: tuple[int, ...] | None = None  # decoder layer indices; None: the last two
+    lr: float = 1e-5
+    steps: int = 100
+    checkpoint_every: int = 10
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
+        for name in ("new_tokens", "context", "steps", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+
+
+def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: str, temperature: float = 1.0) -> torch.Tensor:
+    """Mean over positions of the divergence between p = softmax(target / T) and q = softmax(draft / T);
+    logits [..., vocab]. Gradients flow into the draft's side only."""
+    log_p = torch.log_softmax(target_logits.detach().float() / temperature, dim=-1)
+    log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
+    if kind == "fkl":
+        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
+    elif kind == "tv":
+        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    else:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+    return per_position.mean()
+
+
+def _resumable(settings: dict) -> dict:
+    """The settings a resumed run must share with its checkpoint (it may run longer or save more often)."""
+    return {k: v for k, v in settings.items() if k not in ("steps", "checkpoint_every")}
+
+
+class Distiller:
+    """Trains `draft` (in place, float32) toward `target` with checkpoints in `folder`."""
+
+    def __init__(self, target, draft, config: DistillConfig, folder: str | Path):
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} and {draft.config.vocab_size}")
+        self.target, self.config, self.folder = target.eval(), config, Path(folder)
+        self.dtype = draft.dtype
+        self.draft = draft.float()
+        _, _, layers = decoder_layers(self.draft)
+        chosen = config.train_layers if config.train_layers is not None else (len(layers) - 2, len(layers) - 1)
+        if not chosen or any(not 0 <= i < len(layers) for i in chosen):
+            raise ValueError(f"train_layers must be indices of the draft's {len(layers)} decoder layers, got {chosen}")
+        self.draft.requires_grad_(False)
+        for i in sorted(set(chosen)):
+            layers[i].requires_grad_(True)
+        self.params = {name: p for name, p in self.draft.named_parameters() if p.requires_grad}
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr)
+        self.step_count = 0
+        self.losses: list[float] = []
+        self._resume()
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.folder / "checkpoint.pt"
+
+    def _resume(self) -> None:
+        if not self.checkpoint_path.exists():
+            return
+        state = torch.load(self.checkpoint_path, weights_only=False)
+        mine, theirs = _resumable(asdict(self.config)), _resumable(state["config"])
+        if mine != theirs:
+            raise ValueError(f"{self.checkpoint_path} was written with other settings: {theirs}; "
+                             "use another folder or the same settings (only steps and checkpoint_every may change)")
+        with torch.no_grad():
+            for name, tensor in state["params"].items():
+                self.params[name].copy_(tensor)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step_count, self.losses = state["step"], state["losses"]
+
+    def save_checkpoint(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        state = dict(config=asdict(self.config), step=self.step_count, losses=self.losses,
+                     params={name: p.detach().clone() for name, p in self.params.items()},
+                     optimizer=self.optimizer.state_dict())
+        tmp = self.checkpoint_path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.checkpoint_path)  # never a half-written checkpoint
+
+    @torch.no_grad()
+    def sample(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
+        """(prompt + the draft's own continuation [1, n], index of the first continuation token)."""
+        ids = torch.tensor([prompt[-self.config.context:]], device=self.draft.device)
+        # The draft's own distribution at `temperature`: none of its generation_config's top-k, top-p or penalties.
+        sampling = GenerationConfig(
+            do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0, max_new_tokens=self.config.new_tokens,
+            eos_token_id=self.draft.generation_config.eos_token_id, pad_token_id=self.draft.generation_config.pad_token_id,
+        )
+        with torch.random.fork_rng(devices=[]):  # seeded by (seed, step), the caller's RNG untouched
+            torch.manual_seed(self.config.seed * 1_000_003 + self.step_count)
+            out = self.draft.generate(ids, attention_mask=torch.ones_like(ids), generation_config=sampling)
+        return out, ids.shape[1]
+
+    def step(self, prompt: list[int]) -> float:
+        """One on-policy step on `prompt`; returns the divergence before the update."""
+        ids, start = self.sample(prompt)
+        keep = ids.shape[1] - start + 1  # the logits predicting each continuation token
+        with torch.no_grad():
+            target_logits = self.target(ids, logits_to_keep=keep).logits[:, :-1]
+        draft_logits = self.draft(ids, logits_to_keep=keep).logits[:, :-1]
+        loss = divergence(target_logits, draft_logits, self.config.divergence, self.config.temperature)
+        self.optimizer.zero_grad()
+        loss.backward()
+        self.optimizer.step()
+        self.step_count += 1
+        self.losses.append(loss.item())
+        return loss.item()
+
+    def train(self, prompts: list[list[int]], progress: bool = True) -> list[float]:
+        """Steps until `config.steps` (from the checkpoint's step, if any), cycling through `prompts`."""
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=self.config.steps, initial=self.step_count, disable=not progress, desc="distil")
+        while self.step_count < self.config.steps:
+            loss = self.step(prompts[self.step_count % len(prompts)])
+            bar.update(1)
+            bar.set_postfix(loss=f"{loss:.4f}")
+            if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:
+                self.save_checkpoint()
+        bar.close()
+        return self.losses
+
+    def save_draft(self, folder: str | Path, tokenizer=None) -> Path:
+        """The trained draft as a model folder, in its original dtype (the training copy stays float32)."""
+        folder = Path(folder)
+        trained = {name: p.detach().clone() for name, p in self.draft.state_dict().items()}
+        self.draft.to(self.dtype).save_pretrained(folder)
+        with torch.no_grad():  # back to the float32 master weights
+            self.draft.float().load_state_dict(trained)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        return folder

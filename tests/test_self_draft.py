@@ -1,0 +1,123 @@
+"""Self-speculation (`hf_specdec.early_exit_draft`): the draft is the target's first layers.
+
+What it computes (the target's hidden state after L layers through its own norm and head), that it
+copies nothing and leaves the target intact, greedy identity on three architectures, and the
+generate-level chi-square with a broken variant that reads q from the full target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import chi_square_against, tiny_model
+from test_exactness import ALPHA, SAMPLES, exact_joint, processors, sample_sequences, spec_kwargs
+from hf_specdec.proposals import DraftModelDrafter
+from hf_specdec.self_draft import decoder_layers
+
+LAYERS = 4
+
+
+def final_norm(model):
+    """The norm applied after the last decoder layer (Llama/Qwen2 `norm`, GPT-2 `ln_f`)."""
+    base = model.base_model
+    return getattr(base, "norm", None) or base.ln_f
+
+
+@torch.no_grad()
+def test_early_exit_logits_are_the_head_over_layer_l(arch):
+    target = tiny_model(arch, layers=LAYERS, seed=3)
+    ids = torch.randint(2, 64, (2, 9), generator=torch.Generator().manual_seed(0))
+    out = target(ids, output_hidden_states=True)
+    for layers in (1, 2, LAYERS):
+        draft = hf_specdec.early_exit_draft(target, layers)
+        logits = draft(ids).logits
+        if layers == LAYERS:
+            expected = out.logits
+        else:  # hidden_states[L] is layer L's output before the final norm
+            expected = target.get_output_embeddings()(final_norm(target)(out.hidden_states[layers]))
+        torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
+    # the target is intact and still runs all of its layers
+    assert len(decoder_layers(target)[2]) == LAYERS == target.config.num_hidden_layers
+    torch.testing.assert_close(target(ids).logits, out.logits)
+
+
+def test_early_exit_shares_every_weight_and_refuses_in_place_quantization():
+    target = tiny_model("qwen2", layers=LAYERS)
+    draft = hf_specdec.early_exit_draft(target, 2)
+    target_ptrs = {p.data_ptr() for p in target.parameters()}
+    assert {p.data_ptr() for p in draft.parameters()} <= target_ptrs
+    assert sum(p.numel() for p in draft.parameters()) < sum(p.numel() for p in target.parameters())
+    with pytest.raises(ValueError, match="shares its weights"):
+        hf_specdec.quantize_weights(draft, 8)
+    with pytest.raises(ValueError, match="num_layers must be an integer from 1 to 4"):
+        hf_specdec.early_exit_draft(target, 5)
+
+
+def test_greedy_identity_with_a_self_draft(arch):
+    target = tiny_model(arch, layers=LAYERS, seed=5)
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    records = []
+    out = target.generate(
+        prompt, max_new_tokens=40, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+        assistant=hf_specdec.early_exit_draft(target, 2), ngram=False, acceptance_sink=records.append,
+    )
+    assert torch.equal(out, plain)
+    drafted = sum(len(r.draft_tokens) for r in records)
+    accepted = sum(r.num_accepted for r in records)
+    assert drafted > 0 and 0 < accepted < drafted  # the early exit drafted, and it is not the target
+
+
+@pytest.fixture(scope="module")
+def self_pair():
+    target = tiny_model("llama", vocab=8, layers=LAYERS, seed=21, init=0.25)
+    return target, hf_specdec.early_exit_draft(target, 2), exact_joint(target)
+
+
+def test_sampling_with_a_self_draft_is_exact(self_pair):
+    target, draft, law = self_pair
+    statistic, dof, pvalue = chi_square_against(law, sample_sequences(target, 30, samples=SAMPLES // 2, **spec_kwargs(draft)))
+    print(f"\nself draft: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
+    assert pvalue > ALPHA
+
+
+class FullTargetQ(DraftModelDrafter):
+    """Broken on purpose: samples from the early exit but reports the full target's processed
+    distribution as q (so every draft is accepted as if q were p)."""
+
+    def __init__(self, draft, target):
+        super().__init__(draft, processors(), do_sample=True)
+        self.target = target
+
+    def propose(self, request):
+        proposal = super().propose(request)
+        ids = torch.cat([request.ids, proposal.tokens], dim=1)
+        start, pipeline = request.ids.shape[1], processors()
+        full = [pipeline(ids[:, :i], self.target(ids[:, :i]).logits[:, -1].float()) for i in range(start, ids.shape[1])]
+        return dataclasses.replace(proposal, draft_probs=torch.softmax(torch.stack(full, dim=1), -1))
+
+
+def test_broken_self_draft_with_the_full_targets_q_is_detected(self_pair):
+    target, draft, law = self_pair
+    broken = FullTargetQ(draft, target)
+    samples = sample_sequences(target, 31, samples=SAMPLES // 2, **spec_kwargs(None, candidate_generator=broken))
+    statistic, dof, pvalue = chi_square_against(law, samples)
+    print(f"\nBROKEN self draft (full target's q): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
+    assert pvalue < ALPHA
+
+
+def test_hooks_on_the_target_do_not_fire_on_the_draft():
+    """The eval times the target and the draft with forward hooks; they must stay apart."""
+    target = tiny_model("llama", layers=LAYERS)
+    draft = hf_specdec.early_exit_draft(target, 1)
+    calls = []
+    target.register_forward_hook(lambda *args: calls.append("target"))
+    draft.register_forward_hook(lambda *args: calls.append("draft"))
+    ids = torch.tensor([[1, 2, 3]])
+    target(ids)
+    draft(ids)
+    assert calls == ["target", "draft"]

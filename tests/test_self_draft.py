@@ -104,7 +104,8 @@ class FullTargetQ(DraftModelDrafter):
 def test_broken_self_draft_with_the_full_targets_q_is_detected(self_pair):
     target, draft, law = self_pair
     broken = FullTargetQ(draft, target)
-    samples = sample_sequences(target, 31, samples=SAMPLES // 2, **spec_kwargs(None, candidate_generator=broken))
+    # At 500 samples: chi2 = 241 on 29 dof (the 0.999 quantile is ~58), p = 3e-35
+    samples = sample_sequences(target, 31, samples=SAMPLES // 6, **spec_kwargs(None, candidate_generator=broken))
     statistic, dof, pvalue = chi_square_against(law, samples)
     print(f"\nBROKEN self draft (full target's q): chi2={statistic:.1f} dof={dof} p={pvalue:.2e}")
     assert pvalue < ALPHA
@@ -121,3 +122,23 @@ def test_hooks_on_the_target_do_not_fire_on_the_draft():
     target(ids)
     draft(ids)
     assert calls == ["target", "draft"]
+
+
+def test_cli_runs_with_a_self_draft(tmp_path, capsys):
+    """`hf-specdec generate --draft self:L` on a saved tiny target (a local folder), greedy."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from tiny import tiny_pair
+
+    from hf_specdec.cli import main
+
+    target, _, tokenizer = tiny_pair()
+    target.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    main(["generate", "hi", "--target", str(tmp_path), "--draft", "self:1", "--max-new-tokens", "12", "--threads", "1"])
+    out = capsys.readouterr().out
+    assert "identical to plain greedy: True" in out
+    with pytest.raises(SystemExit, match="self:L takes a number"):
+        main(["generate", "hi", "--target", str(tmp_path), "--draft", "self:x"])

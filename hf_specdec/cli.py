@@ -44,7 +44,9 @@ def generate_command(args: argparse.Namespace) -> None:
         if not layers.isdigit():
             raise SystemExit(f"--draft self:L takes a number of the target's layers, got {args.draft!r}")
         draft = early_exit_draft(target, int(layers))
-        args.draft_bits = 16  # its weights are the target's: quantizing them in place would change the target
+        if args.draft_bits != 16:
+            print(f"the self draft is not quantized (its weights are the target's); --draft-bits {args.draft_bits} ignored")
+        args.draft_bits = 16
     else:
         draft, draft_tokenizer = load_model(args.draft, device=args.device)
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)

@@ -84,6 +84,10 @@ class CostTable:
             knee = max(0.0, rise / (wide[-1] - wide[0]) / step - d)
         return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee)
 
+    def alias(self, name: str, like: str) -> None:
+        """Price model `name` as `like` (a draft of the same architecture and precision)."""
+        self.forwards[name], self.prefill[name] = self.forwards[like], self.prefill[like]
+
     def drift(self, other: "CostTable") -> float:
         """Largest relative difference between two tables' forward prices (start against end of a run)."""
         pairs = [(a, b) for model in self.forwards for ra, rb in zip(self.forwards[model], other.forwards[model])

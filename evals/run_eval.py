@@ -35,7 +35,7 @@ from common import (  # noqa: E402
 )
 from costs import CostTable, measure  # noqa: E402
 from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
+from hf_specdec.pair import DRAFT, TARGET, check_same_vocabulary, load_model  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 
 METRIC = HERE / "metrics" / "speculative_acceptance"
@@ -59,10 +59,13 @@ ABLATIONS = {
     "hf_min2": dict(config=dict(ngram_min_size=2)),  # no 1-gram matches, in trees either
     "hf_no_wait": dict(config=dict(prefill_patience=0.0)),  # no ski rental for the draft's prefill
 }
-HF_METHODS = ("hf_specdec", *ABLATIONS)
+# hf_specdec with another draft (`--second-draft`, e.g. a distilled one: evals/distill.py), quantized as
+# the first and, where a saved cost table has no price for it, priced as the first (same architecture).
+SECOND_DRAFT = {"hf_second_draft": dict(draft="second")}
+HF_METHODS = ("hf_specdec", *ABLATIONS, *SECOND_DRAFT)
 # Not in the defaults: transformers' assisted generation given the same quantized draft as hf_specdec.
 EXTRA_METHODS = ("assisted_quantized",)
-ALL_METHODS = METHODS + EXTRA_METHODS + tuple(ABLATIONS)
+ALL_METHODS = METHODS + EXTRA_METHODS + tuple(ABLATIONS) + tuple(SECOND_DRAFT)
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class EvalConfig:
     draft_bits: int = 8  # weight-only quantization of hf_specdec's draft (16: none)
     split: str = "report"  # prompts of the report split (odd ids), "tuning" (even ids) or "all"
     cost_table: Path | None = None  # a saved cost table to price work with (None: measure one at the start)
+    second_draft: str | None = None  # another draft for the hf_second_draft method (registry name or folder)
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -109,7 +113,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         prompts_per_category=preset.prompts_per_category if args.prompts_per_category is None else args.prompts_per_category,
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
         threads=args.threads, draft_bits=args.draft_bits, split=args.split,
-        cost_table=Path(args.cost_table) if args.cost_table else None,
+        cost_table=Path(args.cost_table) if args.cost_table else None, second_draft=args.second_draft,
     )
 
 
@@ -117,6 +121,8 @@ def check_config(config: EvalConfig) -> None:
     """Refuse a bad run before any model loads."""
     if set(config.methods) - set(ALL_METHODS) or "plain" not in config.methods:
         raise SystemExit(f"methods must include plain and come from {', '.join(ALL_METHODS)}; got {list(config.methods)}")
+    if ("hf_second_draft" in config.methods) != (config.second_draft is not None):
+        raise SystemExit("--second-draft PATH and the method hf_second_draft go together: give both or neither")
     bad = set(config.modes) - set(MODES)
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
@@ -147,7 +153,7 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
                       acceptance_sink=rounds.append)
         if num_draft_tokens is not None:
             kwargs["num_draft_tokens"] = num_draft_tokens
-        ablation = dict(ABLATIONS.get(method, {}))
+        ablation = dict(ABLATIONS.get(method, SECOND_DRAFT.get(method, {})))
         draft = ablation.pop("draft", "hf")
         if "config" in ablation:
             kwargs["speculative_config"] = hf_specdec.SpeculativeConfig(**ablation.pop("config"))
@@ -539,6 +545,19 @@ def _plot_geometric_law(plt, records, summary, out: Path) -> None:
 # ---------------------------------------------------------------- main
 
 
+def load_second_draft(name: str, target, tokenizer):
+    """(draft, its tokenizer) for `--second-draft`, checked against the target's vocabulary ("tiny": a
+    second copy of the tiny offline draft)."""
+    if name == "tiny":
+        from tiny import tiny_pair
+
+        _, draft, draft_tokenizer = tiny_pair()
+        return draft.to(target.device), draft_tokenizer
+    draft, draft_tokenizer = load_model(name, device=target.device)
+    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    return draft, draft_tokenizer
+
+
 def main(config: EvalConfig) -> dict | None:
     """Run the comparison of `config` (prompts split over accelerate's processes) and, on the main
     process, write records, summary, table and plots; returns the summary there, None elsewhere."""
@@ -554,6 +573,9 @@ def main(config: EvalConfig) -> dict | None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map)
     drafts = drafts_by_precision(draft, config.draft_bits)
+    if config.second_draft is not None:
+        second, _ = load_second_draft(config.second_draft, target, tokenizer)
+        drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
     prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
     if not prompts:
         raise SystemExit(f"no prompts in split {config.split!r} for {list(config.categories)}")
@@ -563,6 +585,8 @@ def main(config: EvalConfig) -> dict | None:
     table = None
     if accelerator.is_main_process:
         table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts, vocab, modes)
+        if "second" in drafts and "second" not in table.forwards:
+            table.alias("second", "hf")  # a saved table from a run without it: priced as the first draft
     table = broadcast_object_list([table])[0]  # every process prices its records with the main process's table
     # One timer per model: the target and each distinct draft, named as in `drafts` (priced by name).
     timers = {"target": ForwardTimer(target)}
@@ -631,6 +655,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
     parser.add_argument("--out", default="runs/eval")
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
+    parser.add_argument("--second-draft", default=None,
+                        help="another draft (folder or registry name) for the method hf_second_draft, e.g. a distilled one")
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                         help="weight-only quantization of hf_specdec's draft (16: none); assisted uses the draft as loaded")
     parser.add_argument("--ablation", action="store_true", help=f"also run hf_specdec with levers off: {', '.join(ABLATIONS)}")

@@ -141,6 +141,23 @@ def best_chain(a: float, c: float, d: float) -> tuple[float, int]:
     return max(options)
 
 
+def per_position(sequences: list[list[float]], k: int = 8) -> list[float | None]:
+    """Conditional acceptance at chain positions 1..k from per-token acceptances (teacher-forced):
+    a chain may start at every token; position j's rate is the sum over starts of the product of the
+    first j acceptances over the sum of the product of the first j - 1, over the starts with j tokens
+    left (greedy: of the chains that accepted j - 1 tokens, the fraction that accept the j-th). None
+    where no start reached position j."""
+    num, den = [0.0] * k, [0.0] * k
+    for values in sequences:
+        for start in range(len(values)):
+            product = 1.0
+            for j, value in enumerate(values[start : start + k]):
+                den[j] += product
+                product *= value
+                num[j] += product
+    return [n / d if d > 0 else None for n, d in zip(num, den)]
+
+
 def summarise(rows: list[dict], costs: dict[str, float], d: float) -> dict:
     names = list(dict.fromkeys(r["draft"] for r in rows))
     out = {}
@@ -154,7 +171,9 @@ def summarise(rows: list[dict], costs: dict[str, float], d: float) -> dict:
                 if values:
                     per_category[category] = statistics.fmean(values)
             overall = statistics.fmean(v for r in mine for v in r[mode])
-            entry[mode] = dict(per_category=per_category, overall=overall)
+            entry[mode] = dict(per_category=per_category, overall=overall, per_position=per_position([r[mode] for r in mine]),
+                               per_category_position={c: per_position([r[mode] for r in mine if r["category"] == c])
+                                                      for c in per_category})
             if costs.get(name) is not None:
                 speedup, k = best_chain(overall, costs[name], d)
                 entry[mode].update(predicted_speedup=speedup, best_k=k)

@@ -23,6 +23,7 @@ each step's sample is seeded by (seed, step), so a resumed run repeats an uninte
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -89,12 +90,14 @@ class Distiller:
         if not chosen or any(not 0 <= i < len(layers) for i in chosen):
             raise ValueError(f"train_layers must be indices of the draft's {len(layers)} decoder layers, got {chosen}")
         self.draft.requires_grad_(False)
-        for i in sorted(set(chosen)):
+        self.trained_layers = tuple(sorted(set(chosen)))
+        for i in self.trained_layers:
             layers[i].requires_grad_(True)
         self.params = {name: p for name, p in self.draft.named_parameters() if p.requires_grad}
         self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr)
         self.step_count = 0
         self.losses: list[float] = []
+        self.seconds = 0.0  # training time so far, over every run that resumed this one
         self._resume()
 
     @property
@@ -114,10 +117,11 @@ class Distiller:
                 self.params[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
         self.step_count, self.losses = state["step"], state["losses"]
+        self.seconds = state.get("seconds", 0.0)
 
     def save_checkpoint(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
-        state = dict(config=asdict(self.config), step=self.step_count, losses=self.losses,
+        state = dict(config=asdict(self.config), step=self.step_count, losses=self.losses, seconds=self.seconds,
                      params={name: p.detach().clone() for name, p in self.params.items()},
                      optimizer=self.optimizer.state_dict())
         tmp = self.checkpoint_path.with_suffix(".tmp")
@@ -159,7 +163,9 @@ class Distiller:
 
         bar = tqdm(total=self.config.steps, initial=self.step_count, disable=not progress, desc="distil")
         while self.step_count < self.config.steps:
+            began = time.perf_counter()
             loss = self.step(prompts[self.step_count % len(prompts)])
+            self.seconds += time.perf_counter() - began
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")
             if self.step_count % self.config.checkpoint_every == 0 or self.step_count == self.config.steps:

@@ -214,6 +214,7 @@ def test_eval_splits_prompts_across_two_cpu_processes_with_accelerate(tmp_path):
     (["--categories", "poetry"], "unknown category"),
     (["--preset", "huge"], "invalid choice"),
     (["--modes", "beam"], "unknown mode"),
+    (["--methods", "plain", "hf_second_draft"], "--second-draft PATH and the method hf_second_draft go together"),
 ])
 def test_eval_rejects_bad_input_with_a_clear_error(tmp_path, args, message):
     result = subprocess.run([sys.executable, str(EVAL), "--target", "tiny", "--draft", "tiny", *args, "--out", str(tmp_path)],
@@ -331,3 +332,14 @@ def test_distillation_script_on_tiny_models(tmp_path):
     assert (tmp_path / "checkpoint.pt").exists()
     AutoModelForCausalLM.from_pretrained(tmp_path / "draft")  # the saved draft loads as a model folder
     assert "| after | greedy |" in (tmp_path / "report.md").read_text()
+    positions = result["summary"]["after"]["greedy"]["per_position"]
+    assert len(positions) == 8 and positions[0] == pytest.approx(result["summary"]["after"]["greedy"]["overall"])
+    assert result["train_seconds"] > 0
+    # The saved draft runs in the eval beside the original (`--second-draft`), greedy output unchanged.
+    out = tmp_path / "eval"
+    run([sys.executable, str(EVAL), "--target", "tiny", "--draft", "tiny", "--second-draft", str(tmp_path / "draft"),
+         "--methods", "plain", "hf_specdec", "hf_second_draft", "--modes", "greedy", "--categories", "qa",
+         "--prompts-per-category", "1", "--max-new-tokens", "12", "--threads", "1", "--out", str(out)])
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    second = [r for r in records if r["method"] == "hf_second_draft"]
+    assert len(second) == 1 and second[0]["matches_plain"] and second[0]["drafted"] > 0

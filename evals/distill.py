@@ -64,15 +64,15 @@ def main(argv=None):
     distilled = distiller.draft.to(original.dtype)
     rows = acceptance(target, {"before": original, "after": distilled}, [], prompts, tokens)
     summary = summarise(rows, {}, 0.0)
-    window = max(1, min(20, len(losses) // 2))
+    window = max(1, len(losses) // 5)
     first, last = statistics.fmean(losses[:window]), statistics.fmean(losses[-window:])
     lines = [f"# Distilled draft: acceptance before and after ({len(prompts)} report-split prompts)", "",
              "    python evals/distill.py " + " ".join(argv if argv is not None else sys.argv[1:]), "",
              f"Training: {config.steps} steps on {len(train_prompts)} tuning-split prompts, {config.divergence}, lr {config.lr}, "
              f"{config.new_tokens} on-policy tokens a step, layers {list(distiller.trained_layers)} trained "
              f"({sum(p.numel() for p in distiller.params.values()) / 1e6:.1f} M parameters), {distiller.seconds / 60:.0f} min "
-             f"of training on {torch.get_num_threads()} threads. Training divergence, mean of the first and the last {window} "
-             f"steps: {first:.4f} -> {last:.4f}. Draft saved to {folder}.", "",
+             f"of training on {torch.get_num_threads()} threads. Training divergence (on-policy, each step on another "
+             f"prompt), mean of the first and the last {window} steps: {first:.4f} -> {last:.4f}. Draft saved to {folder}.", "",
              "Teacher-forced on plain greedy outputs, drafts in their saved dtype (not quantized): greedy, the argmaxes "
              "agree; sampling, sum min(p, q) at T = 0.7, top-p 0.95.", "",
              "Per token, per category:", "",

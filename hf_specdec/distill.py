@@ -158,13 +158,18 @@ class Distiller:
         return loss.item()
 
     def train(self, prompts: list[list[int]], progress: bool = True) -> list[float]:
-        """Steps until `config.steps` (from the checkpoint's step, if any), cycling through `prompts`."""
+        """Steps until `config.steps` (from the checkpoint's step, if any), cycling through `prompts` in
+        an order shuffled by the seed (the same order on a resumed run). Prompts in the order given
+        (the eval lists them by category) would train one category at a time: on the real pair that
+        run ended on code and lowered acceptance on every other category (evals/results/distill/)."""
         from tqdm.auto import tqdm
+
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
 
         bar = tqdm(total=self.config.steps, initial=self.step_count, disable=not progress, desc="distil")
         while self.step_count < self.config.steps:
             began = time.perf_counter()
-            loss = self.step(prompts[self.step_count % len(prompts)])
+            loss = self.step(prompts[order[self.step_count % len(prompts)]])
             self.seconds += time.perf_counter() - began
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.4f}")

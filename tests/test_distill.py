@@ -128,3 +128,28 @@ def test_distilled_draft_sampling_is_exact(distilled_pair):
     statistic, dof, pvalue = chi_square_against(law, sample_sequences(target, 40, samples=SAMPLES // 2, **spec_kwargs(draft)))
     print(f"\ndistilled draft: chi2={statistic:.1f} dof={dof} p={pvalue:.3f}")
     assert pvalue > ALPHA
+
+
+class Recording(Distiller):
+    """Records which prompt each step takes (no forward)."""
+
+    def step(self, prompt):
+        self.taken = getattr(self, "taken", []) + [tuple(prompt)]
+        self.step_count += 1
+        self.losses.append(0.0)
+        return 0.0
+
+
+def test_prompts_are_taken_in_a_seeded_shuffled_order_each_once_per_pass(tmp_path):
+    target, draft = make_pair()
+    prompts = [[1, i] for i in range(2, 12)]
+    runs = []
+    for seed in (0, 0, 1):
+        distiller = Recording(target, copy.deepcopy(draft), DistillConfig(steps=20, seed=seed, checkpoint_every=100), tmp_path / f"s{len(runs)}")
+        distiller.train(prompts, progress=False)
+        runs.append(distiller.taken)
+    first, again, other = runs
+    assert first == again  # the order is the seed's
+    assert sorted(first[:10]) == sorted(map(tuple, prompts)) and first[10:] == first[:10]  # each once a pass
+    assert first[:10] != [tuple(p) for p in prompts]  # not the order given (categories one after another)
+    assert other != first

@@ -558,6 +558,11 @@ def load_second_draft(name: str, target, tokenizer):
     return draft, draft_tokenizer
 
 
+def _shape(model) -> list[tuple[str, tuple[int, ...]]]:
+    """Parameter and buffer names and shapes: two drafts of the same shape cost the same per forward."""
+    return [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
+
+
 def main(config: EvalConfig) -> dict | None:
     """Run the comparison of `config` (prompts split over accelerate's processes) and, on the main
     process, write records, summary, table and plots; returns the summary there, None elsewhere."""
@@ -586,7 +591,12 @@ def main(config: EvalConfig) -> dict | None:
     if accelerator.is_main_process:
         table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts, vocab, modes)
         if "second" in drafts and "second" not in table.forwards:
-            table.alias("second", "hf")  # a saved table from a run without it: priced as the first draft
+            # A saved table from a run without it: priced as the first draft, which is right only for a
+            # draft of the same shape (a distilled copy); any other needs a table measured with it.
+            if _shape(drafts["second"]) != _shape(drafts["hf"]):
+                raise SystemExit(f"{config.cost_table} has no price for --second-draft {config.second_draft}, which is not "
+                                 "the first draft's shape; run without --cost-table to measure one")
+            table.alias("second", "hf")
     table = broadcast_object_list([table])[0]  # every process prices its records with the main process's table
     # One timer per model: the target and each distinct draft, named as in `drafts` (priced by name).
     timers = {"target": ForwardTimer(target)}

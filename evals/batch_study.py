@@ -213,7 +213,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device)
     draft = drafts_by_precision(draft, args.draft_bits)["hf"]
-    prompts = batch_prompts(tokenizer, args.categories, max(args.batch_sizes))
+    prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
     rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
                             modes=args.modes, prompts_per_size=args.prompts_per_size)

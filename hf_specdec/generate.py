@@ -260,7 +260,8 @@ def propose(state: DecodeState) -> Proposal:
     nothing (a plain target step); the source proposes up to k tokens per row."""
     start, batch = state.clock.now(), state.batch
     room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
-    request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room))
+    request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room),
+                           clock=state.clock.now if state.policy.measures_time else None)
     if state.trees and room > 0:
         return dataclasses.replace(_propose_tree(state, request, room), seconds=state.clock.now() - start)
     if state.lookup is not None and room > 0 and batch.size > 1:
@@ -323,6 +324,7 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
         tokens=tokens, draft_probs=q, source=DRAFT if drafted else NGRAM,
         confidences=None if chain is None else chain.confidences, forwards=0 if chain is None else chain.forwards,
         lengths=torch.tensor(lengths, device=device), sources=sources, match_sizes=sizes,
+        catchup_seconds=0.0 if chain is None else chain.catchup_seconds,
     )
 
 
@@ -370,7 +372,8 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     keep = policy.select_nodes(reach, list(range(chain.num_tokens)), chain.forwards, config.tree_max_nodes)
     if any(merged.origins[j] == NGRAM for j in keep):
         unverified = None
-    return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size], unverified=unverified)
+    return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size], unverified=unverified,
+                               catchup_seconds=chain.catchup_seconds)
 
 
 def verify(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -492,7 +495,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
                 cache_length=state.cache.get_seq_length(),
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
-    state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1)
+    state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1, proposal.catchup_seconds)
     if proposal.sources is not None:  # a batch mixing sources: each source learns from its own rows
         drafted = [i for i, source in enumerate(proposal.sources) if source == DRAFT]
         if drafted:
@@ -527,6 +530,8 @@ def retire(state: DecodeState, finished: list[bool]) -> None:
                 state.requests.finished(row, state.batch.prompts[row], state.batch.generated[row], state.row_stats[row])
     if any(finished):
         state.batch.select([i for i, done in enumerate(finished) if not done], state.caches)
+        if state.batch.size:
+            state.policy.set_rows(state.batch.size)  # the verify-cost prior and lookup pricing follow the batch
     if state.batch.should_compact(state.caches):
         state.batch.compact(state.caches)
 

@@ -33,8 +33,9 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   the cost of the best choice in hindsight): the share is unknown in the first rounds, when the
   decision is made.
 
-Both costs are measured online from the rounds' wall times: c from draft time per draft forward
-over the target's one-token step time, d from a least-squares fit of verify time against the
+Both costs are measured online from the rounds' wall times: c from draft time per draft step
+over the target's one-token step time at that moment (a running ratio, so it holds when rows leave
+a batch; a first draft forward that catches up on more than two columns is not a step and is left out), d from a least-squares fit of verify time against the
 verify width (forgetting old rounds exponentially). Until a fit is possible, priors stand in.
 Verify time is not linear in width on a CPU: past a knee (9 tokens) the forward stops being bound by
 reading the weights and each token costs about twice as much. One row's verify forward over w
@@ -96,6 +97,7 @@ class PolicySettings:
     # times what its prefill costs. 0: no such wait (the expected-value rule alone decides).
     prefill_patience: float = 1.0
     ema_weight: float = 0.2  # weight of the newest round in running estimates
+    outlier_factor: float = 2.0  # a round's time counts as at most this many times the estimate's
     calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)
     calibration_prior: float = 2.0  # pseudo-observations per bin at acceptance = bin centre
 
@@ -106,6 +108,8 @@ class PolicySettings:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if not self.outlier_factor > 1:
+            raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor}")
         if self.verify_knee < 1:
             raise ValueError(f"verify_knee must be >= 1, got {self.verify_knee}")
 
@@ -117,6 +121,9 @@ class PolicyState:
     target_warm: bool = False  # the target's prompt encoding (first round) is behind us
     draft_warm: bool = False  # the draft's prompt encoding is behind us
     draft_step_seconds: float | None = None
+    # c as measured: each draft step's time over the target's one-token step time at that moment, so
+    # that c stays right when rows leave the batch (both steps get cheaper) or while no draft runs.
+    draft_cost_ratio: float | None = None
     # Exponentially weighted sums for the fit seconds = t1 * (1 + d * (width - 1)).
     fit_n: float = 0.0
     fit_x: float = 0.0  # width - 1
@@ -249,6 +256,8 @@ class DraftPolicy:
         """c: one draft forward in units of one target step."""
         if self.settings.draft_cost is not None:
             return self.settings.draft_cost
+        if self.state.draft_cost_ratio is not None:
+            return self.state.draft_cost_ratio
         step = self.target_step_seconds
         if self.state.draft_step_seconds is None or not step:
             return self.settings.prior_draft_cost
@@ -259,17 +268,26 @@ class DraftPolicy:
         """Whether decisions read wall time (then the loop must time rounds accurately)."""
         return self.settings.draft_cost is None or self.settings.verify_cost is None
 
-    def observe_timing(self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int) -> None:
+    def observe_timing(
+        self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int, catchup_seconds: float = 0.0
+    ) -> None:
         """One round's wall times; `width` tokens went through the verifying forward. A round in which
-        either model encoded the prompt (its first forward) is not a step and is skipped."""
+        either model encoded the prompt (its first forward) is not a step and is skipped.
+        `catchup_seconds`: the part of `draft_seconds` spent in a first draft forward that fed the
+        draft more than two columns it had not seen (after plain or lookup rounds; in a batch that is
+        that many tokens per row); it is not a draft step and is left out of c."""
         s = self.state
         if not s.target_warm or (draft_forwards > 0 and not s.draft_warm):
             s.target_warm, s.draft_warm = True, s.draft_warm or draft_forwards > 0
             return
         w = self.settings.ema_weight
-        if draft_forwards > 0:
-            step = draft_seconds / draft_forwards
-            s.draft_step_seconds = step if s.draft_step_seconds is None else _ema(s.draft_step_seconds, step, w)
+        # A shared machine stalls now and then (another process, a collection): a round slower than
+        # `outlier_factor` times what the estimates predict counts as that factor, so one stall moves
+        # the estimates a little and a lasting slowdown still moves them within a few rounds.
+        cap = self.settings.outlier_factor
+        step_now = self.target_step_seconds
+        if step_now:
+            target_seconds = min(target_seconds, cap * step_now * self.verify_width_cost(width))
         x, y = width - 1, target_seconds
         decay = 1 - w / 2  # remember about the last 2 / w rounds
         s.fit_n = decay * s.fit_n + 1
@@ -282,6 +300,16 @@ class DraftPolicy:
         s.fit_zz = decay * s.fit_zz + z * z
         s.fit_xz = decay * s.fit_xz + x * z
         s.fit_zy = decay * s.fit_zy + z * y
+        steps = draft_forwards - (1 if catchup_seconds > 0 else 0)
+        if steps > 0:
+            step = max(0.0, draft_seconds - catchup_seconds) / steps
+            if s.draft_step_seconds is not None:
+                step = min(step, cap * s.draft_step_seconds)
+            s.draft_step_seconds = step if s.draft_step_seconds is None else _ema(s.draft_step_seconds, step, w)
+            target = self.target_step_seconds
+            if target:
+                ratio = step / target
+                s.draft_cost_ratio = ratio if s.draft_cost_ratio is None else _ema(s.draft_cost_ratio, ratio, w)
 
     # ------------------------------------------------------------ the round plan
 

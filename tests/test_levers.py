@@ -120,6 +120,75 @@ def test_policy_prefers_ngram_while_it_pays_and_measures_costs():
     assert DraftPolicy(state=PolicyState(ngram_acceptance=0.01)).ngram_length(16)[0] == 0  # not worth verifying at all
 
 
+def test_draft_cost_is_a_ratio_that_leaves_out_catch_up_and_holds_when_rows_leave():
+    """c is each draft step over the target's step at that moment: a first draft forward that caught up
+    on several columns is left out, and when the batch shrinks (both steps cheaper) c stays."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8, rows=4))
+    policy.observe_timing(0.0, 0, 9.0, 1)  # the prompt's forward: skipped
+    policy.observe_timing(5.0, 3, 0.5, 1)  # the draft's prefill round: skipped
+    for width in (1, 3, 5, 2, 4):  # 4 rows: target 0.5 s (1 + 0.1 (w - 1)); draft steps 0.15 s
+        policy.observe_timing(0.15 * (width - 1), width - 1, 0.5 * (1 + 0.1 * (width - 1)), width)
+    assert policy.cost == pytest.approx(0.3) and policy.verify_cost == pytest.approx(0.1)
+    # A round whose first draft forward caught up on a plain streak (0.3 s): c is unmoved; counted
+    # as a step, that forward would have raised c (to 0.8 x 0.3 + 0.2 x 0.2 s / 0.5 s).
+    policy.observe_timing(0.3 + 0.15 * 2, 3, 0.5 * 1.3, 4, catchup_seconds=0.3)
+    assert policy.cost == pytest.approx(0.3)
+    policy.observe_timing(0.3 + 0.15 * 2, 3, 0.5 * 1.3, 4)
+    assert policy.cost == pytest.approx(0.32)
+    # Two rows leave: both models' steps get 40% cheaper; the plain rounds that follow time only the
+    # target, and c (a ratio) stays where it was (a ratio of stale seconds would have risen 1.7-fold).
+    again = DraftPolicy(PolicySettings(max_draft_tokens=8, rows=4))
+    again.observe_timing(0.0, 0, 9.0, 1)
+    again.observe_timing(5.0, 3, 0.5, 1)
+    for width in (1, 3, 5, 2, 4):
+        again.observe_timing(0.15 * (width - 1), width - 1, 0.5 * (1 + 0.1 * (width - 1)), width)
+    again.set_rows(2)
+    for width in (1, 3, 1, 2, 1, 3, 1, 2) * 3:
+        again.observe_timing(0.0, 0, 0.3 * (1 + 0.1 * (width - 1)), width)
+    assert again.target_step_seconds == pytest.approx(0.3, rel=0.05)
+    assert again.cost == pytest.approx(0.3)
+
+
+def test_one_stalled_round_moves_the_cost_estimates_little():
+    """A round 20 times slower than usual (a stall on a shared machine) counts as at most
+    `outlier_factor` times the estimate, in both the verify fit and the draft step."""
+    def timed(stall: float) -> DraftPolicy:
+        policy = DraftPolicy(PolicySettings(max_draft_tokens=8))
+        policy.observe_timing(0.0, 0, 9.0, 1)
+        policy.observe_timing(5.0, 3, 0.5, 1)
+        for width in (1, 3, 5, 2, 4, 3):
+            policy.observe_timing(0.1 * (width - 1), width - 1, 0.5 * (1 + 0.05 * (width - 1)), width)
+        policy.observe_timing(0.1 * 2 * stall, 2, 0.5 * 1.1 * stall, 3)
+        return policy
+
+    calm, stalled = timed(1.0), timed(20.0)
+    assert calm.cost == pytest.approx(0.2) and calm.target_step_seconds == pytest.approx(0.5)
+    assert stalled.cost < 0.3 and stalled.target_step_seconds < 0.75
+    with pytest.raises(ValueError, match="outlier_factor"):
+        PolicySettings(outlier_factor=1.0)
+
+
+def test_the_draft_times_a_catch_up_forward_apart():
+    """A draft whose cache lacks more than two columns reports its first forward's time as catch-up."""
+    draft = tiny_model("llama", seed=21)
+    drafter = DraftModelDrafter(draft, None, do_sample=False)
+    ids = torch.randint(2, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    ticks = iter(range(100))
+    clock = lambda: float(next(ticks))  # noqa: E731: each reading one second after the last
+
+    def propose(seq):
+        request = DraftRequest(seq, None, Prefixes.from_tensor(seq, [0, 1]), max_tokens=3, clock=clock)
+        return drafter.propose(request)
+
+    assert propose(ids).catchup_seconds == 0.0  # the prompt (a prefill, not a catch-up)
+    rollback([drafter.cache], 12)
+    assert propose(torch.cat([ids, ids[:, :2]], dim=1)).catchup_seconds == 0.0  # two new columns: a step
+    rollback([drafter.cache], 14)
+    assert propose(torch.cat([ids, ids[:, :6]], dim=1)).catchup_seconds == 1.0  # six: timed apart
+    assert DraftModelDrafter(draft, None, do_sample=False).propose(
+        DraftRequest(ids, None, Prefixes.from_tensor(ids, [0, 1]), max_tokens=2)).catchup_seconds == 0.0  # no clock
+
+
 def test_policy_keeps_an_acceptance_per_match_size():
     """1-gram matches that keep failing stop being proposed while 3-gram matches still are."""
     policy = DraftPolicy(PolicySettings(max_draft_tokens=8, adaptive=False))

@@ -33,6 +33,9 @@ class Proposal:
     runners_up: list[list[tuple[int, float]]] | None = None
     tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: a chain
     seconds: float = 0.0  # wall time spent proposing (set by the loop)
+    # Of `seconds`, the time of a first draft forward that caught up on several columns the draft had
+    # not seen (not a draft step: the cost model leaves it out of c). 0: none, or not timed.
+    catchup_seconds: float = 0.0
     # A batch mixing sources: per row its proposal length (tokens past it are padding, never
     # accepted; 0: a plain step for that row) and its source. None: every row proposes all k tokens
     # from `source`.
@@ -112,6 +115,8 @@ class DraftRequest:
     # After each drafted token, given per row the draft's probability of it: draft another? (the
     # cost model's early stop). None: draft max_tokens.
     keep_drafting: Callable[[list[float]], bool] | None = None
+    # The loop's clock (seconds), for sources that time parts of their work for the cost model. None: untimed.
+    clock: Callable[[], float] | None = None
 
 
 class Drafter(ABC):

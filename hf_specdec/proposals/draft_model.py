@@ -139,11 +139,19 @@ class DraftModelDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
         tokens, probs, confidences, runners_up = [], [], [], []
+        cached = self.cache.get_seq_length()
+        # A warm draft that lacks more than the usual one or two columns (the extra token, and the last
+        # draft after an all-accepted round) catches up in its first forward, after n-gram or plain
+        # rounds: timed apart, as it is not a draft step (the cost model's c).
+        catchup_start = request.clock() if request.clock is not None and 0 < cached < width - 2 else None
+        catchup_seconds = 0.0
         for _ in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = self._logits(ids, mask)  # [rows, vocab]
             token, q, confidence, runner_up = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
+            if catchup_start is not None and not tokens:
+                catchup_seconds = request.clock() - catchup_start
             tokens.append(token)
             probs.append(q)
             ids = torch.cat([ids, token[:, None]], dim=1)
@@ -162,6 +170,7 @@ class DraftModelDrafter(Drafter):
             confidences=[list(c) for c in zip(*confidences)] if confidences else None,
             runners_up=[list(r) for r in zip(*runners_up)] if runners_up else None,
             forwards=len(tokens),
+            catchup_seconds=catchup_seconds,
         ) if tokens else Proposal.nothing(rows, ids.device)
 
     def _next(

@@ -115,15 +115,15 @@ def retrieval(verify_cost: float, knee_cost: float, min_ngram: int = 2, max_ngra
         trie = Trie()
         for continuation in continuations:
             trie.insert(continuation, NGRAM, count=True)
-        reach = retrieval_reach(trie, policy.ngram_acceptance_for(size))
+        reach = retrieval_reach(trie, policy.ngram_curve(size, policy.settings.ngram_depths))
         keep = policy.select_nodes(reach, [], 0, max_nodes)
         if not keep:
             return [], [], None
         tokens, parents = subtree(trie, keep)
 
         def observe(path):
-            outcomes = Tree(parents, chain=0, retrieved=[True] * len(parents)).retrieval_outcomes(path)
-            policy.observe_tree(0, 0, None, outcomes, size)
+            events = Tree(parents, chain=0, retrieved=[True] * len(parents)).retrieval_events(path)
+            policy.observe_tree(0, 0, None, [a for _, a in events], size, retrieval_depths=[d for d, _ in events])
 
         return tokens, parents, observe
 

@@ -34,6 +34,14 @@ class SpeculativeConfig:
     # explicit value is used everywhere.
     ngram_min_size: int | None = None
     ngram_max_tokens: int = 32
+    # With ngram_depths > 0 the cost model learns a lookup's acceptance per match size for its first
+    # token and per depth for tokens 2 .. ngram_depths (the last shared by deeper ones): a copy that
+    # has started tends to go on (real pair, summarization at T = 0.7: 0.48 at the first token, 0.55
+    # / 0.83 / 0.6-0.9 at 2 / 3 / 4-8). 0 (default): one acceptance per match size for every token.
+    # Off because it did not pay on the tuning split (evals/results/tuning-levers/depths/): greedy
+    # modelled time 1% lower, and under sampling retrieval trees won more rounds and kept the draft
+    # model out longer (summarization 11% slower modelled).
+    ngram_depths: int = 0
     # Ski rental for the draft's prefill (single rows with retrieval): a cold draft starts only once
     # the rounds taken without it have lost, against a warm draft's expected rate, this many times
     # what its prefill costs (`hf_specdec.policy.PolicySettings`). 0: no wait.
@@ -80,6 +88,8 @@ class SpeculativeConfig:
             raise ValueError(
                 f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}"
             )
+        if self.ngram_depths < 0:
+            raise ValueError(f"ngram_depths must be >= 0, got {self.ngram_depths!r}")
         if not self.prefill_patience >= 0:
             raise ValueError(f"prefill_patience must be >= 0, got {self.prefill_patience!r}")
         if self.ngram_max_tokens < 1:

@@ -337,7 +337,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    acceptance = policy.ngram_acceptance_for(size)
+    acceptance = policy.ngram_curve(size, policy.settings.ngram_depths)  # by depth, the last for any deeper
     reach = retrieval_reach(retrieved, acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
@@ -510,9 +510,11 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
         state.policy.observe_round(proposal.source, k, accepted, proposal.confidences, proposal.match_sizes)
     else:
         tree = proposal.tree
+        events = tree.retrieval_events(verdict.path)
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
-            tree.retrieval_outcomes(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
+            [accepted for _, accepted in events], proposal.match_sizes[0] if proposal.match_sizes else None,
+            retrieval_depths=[depth for depth, _ in events],
         )
     if proposal.unverified is not None:
         continuation, size = proposal.unverified
@@ -614,7 +616,7 @@ def _start(
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
-        prefill_patience=config.prefill_patience,
+        prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))

@@ -17,9 +17,12 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   itself (first-position acceptance > c + d); otherwise it is a plain target step, and every
   `probe_interval` plain rounds one round drafts again to refresh the estimate.
 * n-gram or draft model (hybrid): an n-gram proposal of length L costs 1 + L d (no draft forward)
-  and emits 1 + sum_{i<=L} g^i, with g the running per-token acceptance of n-gram proposals
-  (optimistic prior, so a match is tried); it is used when that rate is at least the draft model's
-  recent rate. L itself is the length that maximises that rate.
+  and emits 1 + sum_{i<=L} g^i, with g the running per-token acceptance of proposals after a match
+  of that size (optimistic prior, so a match is tried); it is used when that rate is at least the
+  draft model's recent rate. L itself is the length that maximises that rate. With `ngram_depths`
+  (off by default), g_1 is the first token's acceptance for that size and g_j (j >= 2) that of token
+  j given the ones before it, per depth over all sizes (a copy that has started tends to go on), and
+  the proposal emits 1 + sum_{i<=L} g_1 ... g_i.
 
 * the draft's prefill: before the draft model has encoded the prompt, drafting costs that encoding
   too, P = rho * d * n for n prompt tokens (rho: draft over target prefill time per token; d, the
@@ -91,7 +94,11 @@ class PolicySettings:
     # starts from this many pseudo-rounds in which retrieval lost (so one lucky lookup decides nothing).
     retrieval_prior_rounds: float = 2.0
     probe_interval: int = 8  # plain rounds before drafting is tried again
-    ngram_prior_observations: float = 2.0  # weight of the all-sizes acceptance in a new size's estimate
+    ngram_prior_observations: float = 2.0  # weight of the all-sizes acceptance in a new size's (or depth's) estimate
+    # Lookup positions 2 .. ngram_depths each get an acceptance (the last shared by every deeper
+    # position); 0 (the default): one acceptance per match size for every position. Off by default:
+    # on the tuning split it changed greedy by 1% and lost under sampling (see SpeculativeConfig).
+    ngram_depths: int = 0
     # Ski rental for the draft's prefill (single rows with retrieval): a cold draft is started only
     # once the rounds taken without it have lost, against a warm draft's expected rate, this many
     # times what its prefill costs. 0: no such wait (the expected-value rule alone decides).
@@ -108,6 +115,8 @@ class PolicySettings:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.ngram_depths < 0:
+            raise ValueError(f"ngram_depths must be >= 0, got {self.ngram_depths}")
         if not self.outlier_factor > 1:
             raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor}")
         if self.verify_knee < 1:
@@ -138,10 +147,16 @@ class PolicyState:
     first_acceptance: float = 0.7  # running acceptance of draft position 1 (optimistic: try drafting)
     token_acceptance: float = 0.7  # running acceptance of any reached draft position
     ngram_acceptance: float = 0.8  # running per-token acceptance of n-gram proposals (optimistic), all sizes
-    # The same per size n of the match a proposal follows (1-gram matches are weaker clues than
-    # 3-gram ones); a size not seen yet starts from `ngram_acceptance`.
+    # The acceptance per size n of the match a proposal follows (1-gram matches are weaker clues than
+    # 3-gram ones): of every position, or with `ngram_depths` of the first token only; a size not seen
+    # yet starts from `ngram_acceptance`.
     ngram_acceptance_by_size: dict[int, float] = field(default_factory=dict)
-    ngram_seen_by_size: dict[int, int] = field(default_factory=dict)  # lookup positions observed per size
+    ngram_seen_by_size: dict[int, int] = field(default_factory=dict)  # positions observed per size
+    # With `ngram_depths`, deeper positions, all sizes: P(token j accepted | tokens 1..j-1 were), per
+    # depth j >= 2 (the last bucket holds every depth from it on). A copy that has started tends to go on: on the real
+    # pair 0.48 at position 1 against 0.55 / 0.83 / 0.6-0.9 at 2 / 3 / 4-8 (summarization, T = 0.7).
+    ngram_acceptance_by_depth: dict[int, float] = field(default_factory=dict)
+    ngram_seen_by_depth: dict[int, int] = field(default_factory=dict)
     draft_rate: float | None = None  # running tokens per unit cost of draft-model rounds
     retrieval_wins: float = 0.0  # rounds in which retrieval's best tree beat the warm draft's expected rate
     retrieval_rounds: float = 0.0  # rounds in which that was compared
@@ -314,32 +329,52 @@ class DraftPolicy:
     # ------------------------------------------------------------ the round plan
 
     def ngram_acceptance_for(self, size: int | None) -> float:
-        """Running per-token acceptance of proposals that follow an n-gram match of `size` tokens."""
+        """Running acceptance of proposals that follow an n-gram match of `size` tokens (of their first
+        token only, with `ngram_depths`)."""
         if not size:
             return self.state.ngram_acceptance
         return self.state.ngram_acceptance_by_size.get(size, self.state.ngram_acceptance)
 
-    def _observe_ngram(self, size: int | None, accepted: float) -> None:
-        """One lookup position reached (accepted 1.0 or 0.0). A size's estimate starts from the
-        all-sizes value weighted as `ngram_prior_observations` observations: a running mean at
-        first (a size that fails is dropped within a few rounds), the moving average later."""
+    def ngram_acceptance_at(self, size: int | None, depth: int) -> float:
+        """P(lookup token `depth` (1-based) is accepted | the ones before it were), for a match of `size`."""
+        if depth <= 1 or not self.settings.ngram_depths:
+            return self.ngram_acceptance_for(size)
+        bucket = min(depth, self.settings.ngram_depths)
+        return self.state.ngram_acceptance_by_depth.get(bucket, self.state.ngram_acceptance)
+
+    def ngram_curve(self, size: int | None, length: int) -> list[float]:
+        """`ngram_acceptance_at` for depths 1 .. length (at least 1)."""
+        return [self.ngram_acceptance_at(size, depth) for depth in range(1, max(1, length) + 1)]
+
+    def _observe_ngram(self, size: int | None, accepted: float, depth: int = 1) -> None:
+        """One lookup position reached (accepted 1.0 or 0.0) at `depth` (1: the first token after the
+        match). The match size's estimate learns from every position, or with `ngram_depths` from the
+        first only, deeper ones updating their depth's. Each
+        such estimate starts from the all-positions value weighted as `ngram_prior_observations`
+        observations: a running mean at first (a size that fails is dropped within a few rounds),
+        the moving average later."""
         s, w = self.state, self.settings.ema_weight / 2
         s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w)
-        if size:
-            seen = s.ngram_seen_by_size.get(size, 0)
-            weight = max(w, 1 / (seen + 1 + self.settings.ngram_prior_observations))
-            s.ngram_acceptance_by_size[size] = _ema(self.ngram_acceptance_for(size), accepted, weight)
-            s.ngram_seen_by_size[size] = seen + 1
+        if depth > 1 and self.settings.ngram_depths:
+            estimates, seen_by, key = s.ngram_acceptance_by_depth, s.ngram_seen_by_depth, min(depth, self.settings.ngram_depths)
+        elif size:
+            estimates, seen_by, key = s.ngram_acceptance_by_size, s.ngram_seen_by_size, size
+        else:
+            return
+        seen = seen_by.get(key, 0)
+        weight = max(w, 1 / (seen + 1 + self.settings.ngram_prior_observations))
+        estimates[key] = _ema(estimates.get(key, s.ngram_acceptance), accepted, weight)
+        seen_by[key] = seen + 1
 
     def ngram_length(self, available: int, rows: int = 1, size: int | None = None) -> tuple[int, float]:
         """(L, rate): the n-gram proposal length maximising expected tokens per cost, and that rate,
-        for a match of `size` tokens. In a batch of `rows`, one row's lookup widens the verify forward
-        for every row: each column is priced at d x rows against that row's gain (the batch's plain
-        rate is rows tokens a step)."""
-        g, d = self.ngram_acceptance_for(size), self.verify_cost * rows
+        for a match of `size` tokens (each position at its own acceptance, `ngram_acceptance_at`). In a
+        batch of `rows`, one row's lookup widens the verify forward for every row: each column is
+        priced at d x rows against that row's gain (the batch's plain rate is rows tokens a step)."""
+        d = self.verify_cost * rows
         price = self.verify_pricer() if rows == 1 else (lambda width: 1 + (width - 1) * d)
         best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
-        for length in range(1, available + 1):
+        for length, g in enumerate(self.ngram_curve(size, available), start=1):
             p *= g
             tokens += p
             rate = tokens / price(length + 1)
@@ -482,7 +517,7 @@ class DraftPolicy:
             for i in range(reached):
                 accepted = float(i < n)
                 if source == NGRAM:
-                    self._observe_ngram(None if match_sizes is None else match_sizes[r], accepted)
+                    self._observe_ngram(None if match_sizes is None else match_sizes[r], accepted, depth=i + 1)
                     continue
                 s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
@@ -501,8 +536,8 @@ class DraftPolicy:
         emitted token is distributed as p given the tokens before it (the output is exact), so the
         chance that it equals a proposed x is p(x): what verifying x would have accepted it with. The
         estimate is unbiased, and free: no forward is spent on it."""
-        for mine, actual in zip(proposed, emitted):
-            self._observe_ngram(size, float(mine == actual))
+        for depth, (mine, actual) in enumerate(zip(proposed, emitted), start=1):
+            self._observe_ngram(size, float(mine == actual), depth)
             if mine != actual:
                 break
 
@@ -513,6 +548,7 @@ class DraftPolicy:
         confidences: list[float] | None,  # the draft's probability of each chain node
         retrieval: list[bool],  # per node the walk reached that had retrieved children: one was accepted
         match_size: int | None = None,  # the size of the n-gram match the retrieved branches follow
+        retrieval_depths: list[int] | None = None,  # per retrieval event, the depth of the children tried (1: the root's)
     ) -> None:
         """A tree round: the draft chain is scored as a draft round; each retrieval event updates the
         per-token acceptance of retrievals."""
@@ -520,5 +556,5 @@ class DraftPolicy:
         if chain:
             self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences])
         s.plain_streak = 0
-        for accepted in retrieval:
-            self._observe_ngram(match_size, float(accepted))
+        for event, accepted in enumerate(retrieval):
+            self._observe_ngram(match_size, float(accepted), 1 if retrieval_depths is None else retrieval_depths[event])

@@ -166,6 +166,8 @@ def test_one_stalled_round_moves_the_cost_estimates_little():
     assert stalled.cost < 0.3 and stalled.target_step_seconds < 0.75
     with pytest.raises(ValueError, match="outlier_factor"):
         PolicySettings(outlier_factor=1.0)
+    with pytest.raises(ValueError, match="ngram_depths"):
+        PolicySettings(ngram_depths=-1)
 
 
 def test_the_draft_times_a_catch_up_forward_apart():
@@ -229,6 +231,30 @@ def test_policy_fits_the_verify_knee_and_prices_wide_rounds_on_it():
     assert DraftPolicy(PolicySettings(rows=4, verify_knee_cost=0.3)).knee_cost == 0.0
     with pytest.raises(ValueError, match="verify_knee_cost"):
         PolicySettings(verify_knee_cost=-1.0)
+
+
+def test_lookup_acceptance_is_kept_per_depth_and_sets_the_proposal_length():
+    """Lookups whose first token is accepted half the time but whose later tokens then always are
+    (a copy, once started, goes on): the first position is learned per match size, deeper ones per
+    depth, and the chosen length is the whole continuation. The default model pools every position
+    into one acceptance (about 0.9 here), which overstates the first token's 0.5."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=8, verify_cost=0.03, draft_cost=0.3, ngram_depths=4))
+    for round_ in range(60):
+        accepted = 10 if round_ % 2 else 0
+        policy.observe_round(NGRAM, 10, [accepted], match_sizes=[2])
+    assert policy.ngram_acceptance_for(2) == pytest.approx(0.5, abs=0.1)
+    assert policy.ngram_acceptance_at(2, 2) > 0.95 and policy.ngram_acceptance_at(2, 9) == policy.ngram_acceptance_at(2, 4)
+    assert policy.ngram_curve(2, 3)[0] == policy.ngram_acceptance_for(2)
+    assert policy.ngram_length(16, size=2)[0] == 16
+    pooled = DraftPolicy(PolicySettings(max_draft_tokens=8, verify_cost=0.03, draft_cost=0.3))
+    for round_ in range(60):
+        pooled.observe_round(NGRAM, 10, [10 if round_ % 2 else 0], match_sizes=[2])
+    assert pooled.ngram_acceptance_at(2, 1) == pooled.ngram_acceptance_at(2, 5) == pytest.approx(0.9, abs=0.05)
+    # Tree rounds report each retrieval event with its depth; events below the root move the depth's estimate.
+    tree = DraftPolicy(PolicySettings(max_draft_tokens=8, ngram_depths=4))
+    for _ in range(20):
+        tree.observe_tree(0, 0, None, [True, False], match_size=3, retrieval_depths=[1, 2])
+    assert tree.ngram_acceptance_for(3) > 0.95 and tree.ngram_acceptance_at(3, 2) < 0.1
 
 
 def test_policy_learns_lookups_it_did_not_verify():

@@ -94,13 +94,17 @@ class Tree:
     def retrieval_outcomes(self, path: list[int]) -> list[bool]:
         """Per node the walk reached (the root, then each accepted node) that has retrieved children:
         whether the walk went on through one of them."""
+        return [accepted for _, accepted in self.retrieval_events(path)]
+
+    def retrieval_events(self, path: list[int]) -> list[tuple[int, bool]]:
+        """`retrieval_outcomes` with the depth of the children tried at each (1: the root's children)."""
         children: dict[int, list[int]] = {}
         for j, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(j)
         out = []
         for step, node in enumerate([-1] + path):
             if any(self.retrieved[c] for c in children.get(node, ())):
-                out.append(step < len(path) and self.retrieved[path[step]])
+                out.append((step + 1, step < len(path) and self.retrieved[path[step]]))
         return out
 
 

@@ -36,10 +36,12 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   the cost of the best choice in hindsight): the share is unknown in the first rounds, when the
   decision is made.
 
-Both costs are measured online from the rounds' wall times: c from draft time per draft step
-over the target's one-token step time at that moment (a running ratio, so it holds when rows leave
-a batch; a first draft forward that catches up on more than two columns is not a step and is left out), d from a least-squares fit of verify time against the
-verify width (forgetting old rounds exponentially). Until a fit is possible, priors stand in.
+Both costs are measured online from the rounds' wall times: c from draft time per draft step over
+the target's one-token step time at that moment (a running ratio, so it holds when rows leave a
+batch; a first draft forward that catches up on more than two columns is not a step and is left
+out; one stalled round counts as at most `outlier_factor` times the estimate), d from a
+least-squares fit of verify time against the verify width (forgetting old rounds exponentially).
+Until a fit is possible, priors stand in.
 Verify time is not linear in width on a CPU: past a knee (9 tokens) the forward stops being bound by
 reading the weights and each token costs about twice as much. One row's verify forward over w
 tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once rounds on both
@@ -153,8 +155,9 @@ class PolicyState:
     ngram_acceptance_by_size: dict[int, float] = field(default_factory=dict)
     ngram_seen_by_size: dict[int, int] = field(default_factory=dict)  # positions observed per size
     # With `ngram_depths`, deeper positions, all sizes: P(token j accepted | tokens 1..j-1 were), per
-    # depth j >= 2 (the last bucket holds every depth from it on). A copy that has started tends to go on: on the real
-    # pair 0.48 at position 1 against 0.55 / 0.83 / 0.6-0.9 at 2 / 3 / 4-8 (summarization, T = 0.7).
+    # depth j >= 2 (the last bucket holds every depth from it on). A copy that has started tends to
+    # go on: on the real pair 0.48 at position 1 against 0.55 / 0.83 / 0.6-0.9 at 2 / 3 / 4-8
+    # (summarization, T = 0.7).
     ngram_acceptance_by_depth: dict[int, float] = field(default_factory=dict)
     ngram_seen_by_depth: dict[int, int] = field(default_factory=dict)
     draft_rate: float | None = None  # running tokens per unit cost of draft-model rounds
@@ -349,10 +352,9 @@ class DraftPolicy:
     def _observe_ngram(self, size: int | None, accepted: float, depth: int = 1) -> None:
         """One lookup position reached (accepted 1.0 or 0.0) at `depth` (1: the first token after the
         match). The match size's estimate learns from every position, or with `ngram_depths` from the
-        first only, deeper ones updating their depth's. Each
-        such estimate starts from the all-positions value weighted as `ngram_prior_observations`
-        observations: a running mean at first (a size that fails is dropped within a few rounds),
-        the moving average later."""
+        first only, deeper ones updating their depth's. Each such estimate starts from the
+        all-positions value weighted as `ngram_prior_observations` observations: a running mean at
+        first (a size that fails is dropped within a few rounds), the moving average later."""
         s, w = self.state, self.settings.ema_weight / 2
         s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w)
         if depth > 1 and self.settings.ngram_depths:

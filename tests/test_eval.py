@@ -343,3 +343,16 @@ def test_distillation_script_on_tiny_models(tmp_path):
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     second = [r for r in records if r["method"] == "hf_second_draft"]
     assert len(second) == 1 and second[0]["matches_plain"] and second[0]["drafted"] > 0
+
+
+def test_batch_widths_arithmetic():
+    """evals/batch_widths.py's column cost (slope of cost against width through one step at width 1)
+    and best chain speedup (max over k of the geometric tokens over 1 + k column costs)."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    from batch_widths import best_chain_speedup, column_cost
+
+    assert column_cost({1: 1.0, 2: 1.1, 3: 1.2, 5: 1.4}) == pytest.approx(0.1)
+    assert column_cost({1: 1.0}) is None
+    assert best_chain_speedup(0.75, 0.46) == pytest.approx((1 + 0.75 + 0.75**2) / (1 + 2 * 0.46))  # k = 2 is best
+    assert best_chain_speedup(0.5, 2.0) == 1.0  # no chain pays: a plain step
+    assert best_chain_speedup(1.0, 0.0, max_k=4) == 5.0

@@ -33,7 +33,7 @@ class Proposal:
     runners_up: list[list[tuple[int, float]]] | None = None
     tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: a chain
     seconds: float = 0.0  # wall time spent proposing (set by the loop)
-    # Of `seconds`, the time of a first draft forward that caught up on several columns the draft had
+    # Of `seconds`, the time of a first draft forward that caught up on more than two columns the draft had
     # not seen (not a draft step: the cost model leaves it out of c). 0: none, or not timed.
     catchup_seconds: float = 0.0
     # A batch mixing sources: per row its proposal length (tokens past it are padding, never

@@ -6,8 +6,9 @@ pay there. With b rows the forward processes b x (n + 1) positions and turns com
 script times the target's forward over a cache of `--context` tokens for batch sizes x widths and
 prints each time in units of the batch's one-token step. With `--draft`, it also times the draft's
 step (one column) at each batch size, as c: the draft step over the target's, both at that batch,
-and prints what a drafted column costs the batch (c + d, d the slope of cost against width) and the best speedup a
-draft chain can reach at a per-token acceptance a: max over k of (1 + a + ... + a^k) / (1 + k (c + d)).
+and prints what a drafted column costs the batch (c + d, d the slope of cost against width) and the
+best speedup a draft chain can reach at a per-token acceptance a: max over k of
+(1 + a + ... + a^k) / (1 + k (c + d)).
 
     python evals/batch_widths.py --out runs/batch-widths
     python evals/batch_widths.py --batch-sizes 1 2 4 8 --widths 1 2 3 5 --draft qwen2.5-coder-0.5b-instruct --out runs/bw
@@ -28,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_specdec.cache import new_cache, rollback  # noqa: E402
 from hf_specdec.pair import TARGET, load_model  # noqa: E402
+from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 from common import drafts_by_precision  # noqa: E402
 
 
@@ -102,7 +104,7 @@ def column_cost(costs: dict[int, float]) -> float | None:
 def best_chain_speedup(acceptance: float, column_cost: float, max_k: int = 16) -> float:
     """max over k of expected tokens (1 + a + ... + a^k) over cost (1 + k x column cost), at least 1
     (k = 0: a plain step)."""
-    return max(sum(acceptance**i for i in range(k + 1)) / (1 + k * column_cost) for k in range(max_k + 1))
+    return max(geometric_tokens_per_round(acceptance, k) / (1 + k * column_cost) for k in range(max_k + 1))
 
 
 if __name__ == "__main__":

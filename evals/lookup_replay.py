@@ -123,7 +123,7 @@ def retrieval(verify_cost: float, knee_cost: float, min_ngram: int = 2, max_ngra
 
         def observe(path):
             events = Tree(parents, chain=0, retrieved=[True] * len(parents)).retrieval_events(path)
-            policy.observe_tree(0, 0, None, [a for _, a in events], size, retrieval_depths=[d for d, _ in events])
+            policy.observe_tree(0, 0, None, events, size)
 
         return tokens, parents, observe
 

@@ -510,11 +510,9 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
         state.policy.observe_round(proposal.source, k, accepted, proposal.confidences, proposal.match_sizes)
     else:
         tree = proposal.tree
-        events = tree.retrieval_events(verdict.path)
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
-            [accepted for _, accepted in events], proposal.match_sizes[0] if proposal.match_sizes else None,
-            retrieval_depths=[depth for depth, _ in events],
+            tree.retrieval_events(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
         )
     if proposal.unverified is not None:
         continuation, size = proposal.unverified

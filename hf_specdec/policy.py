@@ -131,7 +131,6 @@ class PolicyState:
 
     target_warm: bool = False  # the target's prompt encoding (first round) is behind us
     draft_warm: bool = False  # the draft's prompt encoding is behind us
-    draft_step_seconds: float | None = None
     # c as measured: each draft step's time over the target's one-token step time at that moment, so
     # that c stays right when rows leave the batch (both steps get cheaper) or while no draft runs.
     draft_cost_ratio: float | None = None
@@ -274,12 +273,8 @@ class DraftPolicy:
         """c: one draft forward in units of one target step."""
         if self.settings.draft_cost is not None:
             return self.settings.draft_cost
-        if self.state.draft_cost_ratio is not None:
-            return self.state.draft_cost_ratio
-        step = self.target_step_seconds
-        if self.state.draft_step_seconds is None or not step:
-            return self.settings.prior_draft_cost
-        return self.state.draft_step_seconds / step
+        ratio = self.state.draft_cost_ratio
+        return self.settings.prior_draft_cost if ratio is None else ratio
 
     @property
     def measures_time(self) -> bool:
@@ -320,14 +315,12 @@ class DraftPolicy:
         s.fit_zy = decay * s.fit_zy + z * y
         steps = draft_forwards - (1 if catchup_seconds > 0 else 0)
         if steps > 0:
-            step = max(0.0, draft_seconds - catchup_seconds) / steps
-            if s.draft_step_seconds is not None:
-                step = min(step, cap * s.draft_step_seconds)
-            s.draft_step_seconds = step if s.draft_step_seconds is None else _ema(s.draft_step_seconds, step, w)
-            target = self.target_step_seconds
-            if target:
-                ratio = step / target
-                s.draft_cost_ratio = ratio if s.draft_cost_ratio is None else _ema(s.draft_cost_ratio, ratio, w)
+            # the fit was updated above, so the target's step time is known here
+            ratio = max(0.0, draft_seconds - catchup_seconds) / steps / self.target_step_seconds
+            if s.draft_cost_ratio is None:
+                s.draft_cost_ratio = ratio
+            else:
+                s.draft_cost_ratio = _ema(s.draft_cost_ratio, min(ratio, cap * s.draft_cost_ratio), w)
 
     # ------------------------------------------------------------ the round plan
 
@@ -548,9 +541,10 @@ class DraftPolicy:
         chain: int,  # draft-model nodes in the tree (its first nodes, one chain)
         chain_accepted: int,  # how many of them were accepted
         confidences: list[float] | None,  # the draft's probability of each chain node
-        retrieval: list[bool],  # per node the walk reached that had retrieved children: one was accepted
+        # per node the walk reached that had retrieved children: (the depth of those children, 1 for the
+        # root's; whether one of them was accepted), as `Tree.retrieval_events` gives them
+        retrieval: list[tuple[int, bool]],
         match_size: int | None = None,  # the size of the n-gram match the retrieved branches follow
-        retrieval_depths: list[int] | None = None,  # per retrieval event, the depth of the children tried (1: the root's)
     ) -> None:
         """A tree round: the draft chain is scored as a draft round; each retrieval event updates the
         per-token acceptance of retrievals."""
@@ -558,5 +552,5 @@ class DraftPolicy:
         if chain:
             self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences])
         s.plain_streak = 0
-        for event, accepted in enumerate(retrieval):
-            self._observe_ngram(match_size, float(accepted), 1 if retrieval_depths is None else retrieval_depths[event])
+        for depth, accepted in retrieval:
+            self._observe_ngram(match_size, float(accepted), depth)

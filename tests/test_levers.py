@@ -253,7 +253,7 @@ def test_lookup_acceptance_is_kept_per_depth_and_sets_the_proposal_length():
     # Tree rounds report each retrieval event with its depth; events below the root move the depth's estimate.
     tree = DraftPolicy(PolicySettings(max_draft_tokens=8, ngram_depths=4))
     for _ in range(20):
-        tree.observe_tree(0, 0, None, [True, False], match_size=3, retrieval_depths=[1, 2])
+        tree.observe_tree(0, 0, None, [(1, True), (2, False)], match_size=3)
     assert tree.ngram_acceptance_for(3) > 0.95 and tree.ngram_acceptance_at(3, 2) < 0.1
 
 

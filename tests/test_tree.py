@@ -78,9 +78,8 @@ def test_tree_shape_helpers():
     tree = Tree(parents=[-1, 0, 1, -1, 3, 0], chain=2, retrieved=[True, False, False, True, True, True])
     assert tree.chain_accepted([0, 1]) == 2 and tree.chain_accepted([0, 5]) == 1 and tree.chain_accepted([3, 4]) == 0
     # root: retrieved children 0, 3 -> went on through 0 (retrieved); node 0: children 1 (not), 5 (retrieved) -> 1
-    assert tree.retrieval_outcomes([0, 1]) == [True, False]
-    assert tree.retrieval_outcomes([]) == [False]
     assert tree.retrieval_events([0, 1]) == [(1, True), (2, False)]
+    assert tree.retrieval_events([]) == [(1, False)]
     with pytest.raises(ValueError, match="parents must come before"):
         ancestors_mask([1, -1])
 

@@ -91,13 +91,9 @@ class Tree:
             n += 1
         return n
 
-    def retrieval_outcomes(self, path: list[int]) -> list[bool]:
-        """Per node the walk reached (the root, then each accepted node) that has retrieved children:
-        whether the walk went on through one of them."""
-        return [accepted for _, accepted in self.retrieval_events(path)]
-
     def retrieval_events(self, path: list[int]) -> list[tuple[int, bool]]:
-        """`retrieval_outcomes` with the depth of the children tried at each (1: the root's children)."""
+        """Per node the walk reached (the root, then each accepted node) that has retrieved children:
+        (the depth of those children, 1 for the root's; whether the walk went on through one of them)."""
         children: dict[int, list[int]] = {}
         for j, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(j)

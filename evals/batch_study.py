@@ -115,7 +115,7 @@ def length_distribution(records) -> dict:
 
 
 def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens,
-                     modes=("greedy",), prompts_per_size: int | None = None) -> list[dict]:
+                     modes=("greedy",), prompts_per_size: int | None = None, draft_vocab_size: int | None = None) -> list[dict]:
     """Throughput (generated tokens / second) of plain batched decoding and hf_specdec at each batch
     size and mode, over the same prompts, the two interleaved batch by batch."""
     from tqdm.auto import tqdm
@@ -124,6 +124,8 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
     spec = dict(assistant=draft)
     if num_draft_tokens is not None:
         spec["num_draft_tokens"] = num_draft_tokens
+    if draft_vocab_size is not None:
+        spec["draft_vocab_size"] = draft_vocab_size
     rows = []
     for mode_name in modes:
         mode = MODES[mode_name]
@@ -216,12 +218,13 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
     rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
-                            modes=args.modes, prompts_per_size=args.prompts_per_size)
+                            modes=args.modes, prompts_per_size=args.prompts_per_size, draft_vocab_size=args.draft_vocab_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
-                  torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size)
+                  torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size,
+                  draft_vocab_size=args.draft_vocab_size)
     (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows), indent=2))
     table = batch_table(rows)
     title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
@@ -243,6 +246,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                         help="weight-only quantization of hf_specdec's draft (16: none)")
+    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
+                        help="hf_specdec's reduced-vocabulary draft head: token ids below N, the prompts' and EOS (default: all)")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="runs/batch")
     parser.add_argument("--categories", nargs="+", default=list(BATCH_CATEGORIES), choices=BATCH_CATEGORIES, metavar="CATEGORY")

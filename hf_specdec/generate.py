@@ -503,9 +503,9 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
             state.policy.observe_round(DRAFT, proposal.length(drafted[0]), [accepted[i] for i in drafted], confidences)
         for i, source in enumerate(proposal.sources):
             if source == NGRAM:
-                state.policy.observe_round(NGRAM, proposal.length(i), [accepted[i]], match_sizes=[proposal.match_sizes[i]])
-        if not drafted:
-            state.policy.observe_round(NONE, 0, [])  # a round without the draft model (its probe count)
+                state.policy.observe_lookup(proposal.length(i), accepted[i], proposal.match_sizes[i])
+        if not drafted:  # a round without the draft model: it counts toward the next probe, lookups or not
+            state.policy.observe_round(NONE, 0, [])
     elif proposal.tree is None:
         state.policy.observe_round(proposal.source, k, accepted, proposal.confidences, proposal.match_sizes)
     else:

@@ -501,19 +501,23 @@ class DraftPolicy:
         confidences: list[list[float]] | None = None,  # per row, per drafted position (DRAFT rounds)
         match_sizes: list[int] | None = None,  # per row, the n-gram match size (NGRAM rounds)
     ) -> None:
-        s, w = self.state, self.settings.ema_weight
+        s = self.state
         if source == NONE:
             s.plain_streak += 1
             return
         s.plain_streak = 0
+        if source == NGRAM:
+            for r, n in enumerate(num_accepted):
+                self.observe_lookup(num_drafted, n, None if match_sizes is None else match_sizes[r])
+            return
+        # The running estimates move as much per round whatever the batch: each of a round's rows
+        # counts 1 / rows (at weight w per row, one bad batch-8 round would move them like eight).
+        w = self.settings.ema_weight / max(1, len(num_accepted))
         bins = self.settings.calibration_bins
         for r, n in enumerate(num_accepted):
             reached = min(n + 1, num_drafted)
             for i in range(reached):
                 accepted = float(i < n)
-                if source == NGRAM:
-                    self._observe_ngram(None if match_sizes is None else match_sizes[r], accepted, depth=i + 1)
-                    continue
                 s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
                     s.first_acceptance = _ema(s.first_acceptance, accepted, w)
@@ -524,6 +528,13 @@ class DraftPolicy:
             if source == DRAFT:
                 rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
                 s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)
+
+    def observe_lookup(self, num_drafted: int, num_accepted: int, size: int | None) -> None:
+        """One row's n-gram proposal of `num_drafted` tokens, `num_accepted` of them accepted, after a
+        match of `size` tokens: its acceptance per size (and depth). Unlike `observe_round`, it leaves
+        the count of rounds without the draft model alone (a batch's lookup rows are not draft probes)."""
+        for i in range(min(num_accepted + 1, num_drafted)):
+            self._observe_ngram(size, float(i < num_accepted), depth=i + 1)
 
     def observe_unverified(self, proposed: list[int], emitted: list[int], size: int | None) -> None:
         """A lookup the round did not verify, scored against the tokens the round emitted: position i

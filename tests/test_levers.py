@@ -79,6 +79,49 @@ def test_policy_falls_back_to_plain_rounds_and_probes_again():
     assert fixed.plan(0) == (DRAFT, 6)
 
 
+def test_batch_lookup_rows_do_not_block_draft_probes():
+    """In a batch, rows with lookups and no draft model: the round still counts toward the draft's
+    next probe (the batched stage calls `observe_lookup` per lookup row, then observe_round(NONE)).
+    Observing those rows as NGRAM rounds reset the count every round, so a batch whose draft had a bad
+    start never drafted again while any row had a match (seen on the real pair at batch 4)."""
+
+    def plans(observe_rows) -> list[str]:
+        policy = DraftPolicy(PolicySettings(draft_cost=0.5, verify_cost=0.1, probe_interval=3, rows=4), PolicyState(first_acceptance=0.1))
+        out = []
+        for _ in range(5):
+            source = DRAFT if policy.should_draft() else NONE
+            out.append(source)
+            if source == DRAFT:
+                policy.observe_round(DRAFT, 1, [0, 0, 0, 0], [[0.2]] * 4)
+            else:  # two rows look up (one token each, accepted), two take a plain step
+                observe_rows(policy)
+        return out
+
+    def as_the_stage_does(policy):
+        for _ in range(2):
+            policy.observe_lookup(1, 1, 2)
+        policy.observe_round(NONE, 0, [])
+
+    def as_ngram_rounds(policy):  # the broken order: each lookup row resets the probe count
+        for _ in range(2):
+            policy.observe_round(NGRAM, 1, [1], match_sizes=[2])
+        policy.observe_round(NONE, 0, [])
+
+    assert plans(as_the_stage_does) == [NONE, NONE, NONE, DRAFT, NONE]
+    assert DRAFT not in plans(as_ngram_rounds)
+
+
+def test_batch_rounds_move_running_acceptance_as_much_as_one_row_round():
+    """A round of 8 rows moves the running acceptance about as far as one single-row round (each row
+    weighs 1 / rows): one bad batch round does not switch drafting off for the whole batch."""
+    one, eight = DraftPolicy(), DraftPolicy(PolicySettings(rows=8))
+    one.observe_round(DRAFT, 1, [0], [[0.5]])
+    eight.observe_round(DRAFT, 1, [0] * 8, [[0.5]] * 8)
+    assert one.state.first_acceptance == pytest.approx(0.56)
+    assert 0.55 < eight.state.first_acceptance < 0.58  # weight w per row would give 0.7 x 0.8^8 = 0.12
+    assert 0.6 < eight.state.token_acceptance < 0.65
+
+
 def test_policy_stops_drafting_on_low_confidence_and_continues_on_high():
     def drafted(confidence, cost, most=8):
         keep_drafting = DraftPolicy(PolicySettings(draft_cost=cost, verify_cost=0.03)).stop_rule(1)

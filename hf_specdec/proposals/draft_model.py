@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
+from ..quantize import WeightOnlyLinear
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
@@ -57,13 +58,24 @@ class VocabularySubsetHead:
 
     def __init__(self, output_embeddings: torch.nn.Module, token_ids: torch.Tensor, vocab: int):
         self.token_ids = token_ids.unique()  # sorted
-        self.weight = output_embeddings.weight[self.token_ids].detach().contiguous()  # [subset, hidden]
-        bias = output_embeddings.bias  # nn.Linear and WeightOnlyLinear both hold one (None when absent)
-        self.bias = None if bias is None else bias[self.token_ids].detach()
+        if isinstance(output_embeddings, WeightOnlyLinear):  # a quantized head (the int8 draft's default)
+            self.project = output_embeddings.select_outputs(self.token_ids)
+        elif isinstance(output_embeddings, torch.nn.Linear) and not output_embeddings.weight.is_meta:
+            subset = torch.nn.Linear(output_embeddings.in_features, self.token_ids.numel(), bias=output_embeddings.bias is not None,
+                                     dtype=output_embeddings.weight.dtype, device=output_embeddings.weight.device)
+            subset.weight.data.copy_(output_embeddings.weight[self.token_ids])
+            if output_embeddings.bias is not None:
+                subset.bias.data.copy_(output_embeddings.bias[self.token_ids])
+            self.project = subset.requires_grad_(False)
+        else:
+            raise ValueError(
+                f"draft_vocab_size needs the draft's output layer as a torch.nn.Linear or hf_specdec's WeightOnlyLinear "
+                f"with its weights loaded; got {type(output_embeddings).__name__}"
+            )
         self.vocab = vocab
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        logits = torch.nn.functional.linear(hidden, self.weight, self.bias)
+        logits = self.project(hidden)
         full = logits.new_full((*logits.shape[:-1], self.vocab), -float("inf"))
         return full.index_copy_(-1, self.token_ids, logits)
 

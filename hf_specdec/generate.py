@@ -346,7 +346,8 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
         policy.note_retrieval(rate >= policy.expected_draft_rate())
     draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
     if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
-        return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size])
+        return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size],
+                                   estimates=[reach[j] for j in keep])
     unverified = (continuations[0], size) if continuations else None
     if not draft:
         return dataclasses.replace(Proposal.nothing(1, device), unverified=unverified)
@@ -373,7 +374,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     if any(merged.origins[j] == NGRAM for j in keep):
         unverified = None
     return dataclasses.replace(tree_proposal(merged, keep, chain, DRAFT, device), match_sizes=[size], unverified=unverified,
-                               catchup_seconds=chain.catchup_seconds)
+                               catchup_seconds=chain.catchup_seconds, estimates=[reach[j] for j in keep])
 
 
 def verify(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -492,7 +493,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
                 draft_seconds=proposal.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
                 parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
                 accepted_from=_accepted_from(proposal, i, accepted[i], verdict.path),
-                cache_length=state.cache.get_seq_length(),
+                cache_length=state.cache.get_seq_length(), estimated_acceptance=proposal.estimates,
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
     state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1, proposal.catchup_seconds)

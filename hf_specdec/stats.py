@@ -37,6 +37,10 @@ class RoundRecord:
     # or "" when nothing was accepted.
     accepted_from: str = ""
     cache_length: int = 0  # columns the target's cache holds after the round (holes and padding included)
+    # Tree rounds (one row): the cost model's estimate, per proposed node, of the probability that
+    # verification reaches and accepts it (what it chose the tree on; their sum is the accepted
+    # tokens it expected). None where it made no such estimate.
+    estimated_acceptance: list[float] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -356,3 +356,27 @@ def test_batch_widths_arithmetic():
     assert best_chain_speedup(0.75, 0.46) == pytest.approx((1 + 0.75 + 0.75**2) / (1 + 2 * 0.46))  # k = 2 is best
     assert best_chain_speedup(0.5, 2.0) == 1.0  # no chain pays: a plain step
     assert best_chain_speedup(1.0, 0.0, max_k=4) == 5.0
+
+
+def test_estimate_bias_tally():
+    """evals/estimate_bias.py: per kind of round, accepted and estimated tokens per round, and their
+    ratio over the rounds that carry an estimate."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    from estimate_bias import tally
+
+    from hf_specdec.stats import RoundRecord
+
+    def rec(source, tokens, accepted, parents=None, estimate=None):
+        return RoundRecord(round=0, row=0, draft_tokens=tokens, num_accepted=accepted, emitted_tokens=[], source=source,
+                           parents=parents, estimated_acceptance=estimate)
+
+    table = tally([
+        rec("ngram", [1, 2, 3], 1, parents=[-1, -1, 1], estimate=[0.5, 0.3, 0.2]),
+        rec("ngram", [4, 5, 6], 0, parents=[-1, 0, -1], estimate=[0.6, 0.2, 0.2]),
+        rec("draft", [7, 8], 2),
+        rec("none", [], 0),
+    ])
+    assert table["tree-ngram"] == dict(rounds=2, nodes_per_round=3.0, accepted_per_round=0.5,
+                                       estimated_per_round=pytest.approx(1.0), accepted_over_estimated=pytest.approx(0.5))
+    assert table["chain-draft"] == dict(rounds=1, nodes_per_round=2.0, accepted_per_round=2.0)
+    assert table["chain-none"]["rounds"] == 1

@@ -253,6 +253,10 @@ def test_greedy_with_trees_equals_plain_greedy(arch):
     for r in records:
         if r.parents is not None:
             assert r.num_accepted == len(r.path) and r.emitted_tokens[: r.num_accepted] == [r.draft_tokens[j] for j in r.path]
+            # the cost model's estimate per node: a probability, never above its parent's
+            est = r.estimated_acceptance
+            assert est is not None and len(est) == len(r.draft_tokens) and all(0 <= e <= 1 for e in est)
+            assert all(est[j] <= est[p] + 1e-12 for j, p in enumerate(r.parents) if p >= 0)
     chain, _ = _tree_records(target, draft, REPETITIVE, do_sample=False, tree=False)
     assert torch.equal(chain.sequences, plain)
 

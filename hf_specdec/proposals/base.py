@@ -48,6 +48,9 @@ class Proposal:
     # no node paid) and the size of its match. The cost model scores it against the tokens the round
     # emits, so each match size's acceptance is learned in every round, not only where it was tried.
     unverified: tuple[list[int], int] | None = None
+    # One row: the cost model's estimate of P(node accepted) per proposed node (trees; logged as
+    # RoundRecord.estimated_acceptance). None: not estimated.
+    estimates: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -42,13 +42,6 @@ class SpeculativeConfig:
     # modelled time 1% lower, and under sampling retrieval trees won more rounds and kept the draft
     # model out longer (summarization 11% slower modelled).
     ngram_depths: int = 0
-    # Tree rounds: scale retrieval's expected tokens by what past retrieval rounds of the same kind
-    # (branching tree, or one chain) delivered against their estimate, before retrieval and the draft
-    # model compete for the round (the draft's rate is a measured one). On the real pair the estimates
-    # were 35% high for branching trees and 23% low for single chains under sampling
-    # (evals/results/estimate-bias/). Off: on the tuning split it saved 1% of modelled time greedy and
-    # lost 5-12% under sampling in summarization and RAG (evals/results/tuning-levers/calibration/).
-    calibrate_retrieval: bool = False
     # Ski rental for the draft's prefill (single rows with retrieval): a cold draft starts only once
     # the rounds taken without it have lost, against a warm draft's expected rate, this many times
     # what its prefill costs (`hf_specdec.policy.PolicySettings`). 0: no wait.

@@ -49,7 +49,7 @@ from .policy import DraftPolicy, PolicySettings
 from .proposals import (
     CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal, with_draft_temperature,
 )
-from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_kind, retrieval_reach, tree_proposal
+from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
 from .sampling import RowProcessors, logits_to_probs
 from .stats import DRAFT, NGRAM, NONE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, tree_speculative_sampling
@@ -341,7 +341,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     reach = retrieval_reach(retrieved, acceptance)
     keep = policy.select_nodes(reach, [], 0, config.tree_max_nodes)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])  # the draft's prompt, until it is encoded
-    rate = policy.tree_rate(reach, keep, factor=policy.retrieval_factor(retrieval_kind(retrieved.parents, keep))) if keep else 0.0
+    rate = policy.tree_rate(reach, keep) if keep else 0.0
     if prefill:
         policy.note_retrieval(rate >= policy.expected_draft_rate())
     draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
@@ -515,8 +515,6 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
             tree.retrieval_events(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
         )
-    if proposal.estimates is not None and proposal.source == NGRAM:  # a retrieval round in a tree round's place
-        state.policy.observe_estimate("chain" if proposal.tree is None else "tree", sum(proposal.estimates), accepted[0])
     if proposal.unverified is not None:
         continuation, size = proposal.unverified
         state.policy.observe_unverified(continuation, verdict.tokens[0][: emission.counts[0]], size)
@@ -618,7 +616,6 @@ def _start(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
         prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
-        calibrate_retrieval=config.calibrate_retrieval,
     ))
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))

@@ -105,13 +105,6 @@ class PolicySettings:
     # once the rounds taken without it have lost, against a warm draft's expected rate, this many
     # times what its prefill costs. 0: no such wait (the expected-value rule alone decides).
     prefill_patience: float = 1.0
-    # Retrieval estimates calibrated by what retrieval rounds delivered: a round's expected tokens
-    # from retrieval are scaled by accepted / estimated over past retrieval rounds of its kind
-    # (branching tree, or one chain), shrunk toward 1 by this many pseudo-tokens of each. The draft
-    # model's rate is already a realized one (`draft_rate`), so the two sources compete on one footing.
-    # Off by default (`SpeculativeConfig.calibrate_retrieval`: measured not to pay on the tuning split).
-    calibrate_retrieval: bool = False
-    retrieval_calibration_prior: float = 2.0
     ema_weight: float = 0.2  # weight of the newest round in running estimates
     outlier_factor: float = 2.0  # a round's time counts as at most this many times the estimate's
     calibration_bins: int = 10  # draft-confidence bins for the calibration of P(accept | confidence)
@@ -171,8 +164,6 @@ class PolicyState:
     retrieval_rounds: float = 0.0  # rounds in which that was compared
     cold_regret: float = 0.0  # target steps lost, against a warm draft, by rounds taken while the draft was cold
     plain_streak: int = 0
-    # Per kind of retrieval round ("tree": branching, "chain"): decayed sums [accepted, estimated] tokens.
-    retrieval_calibration: dict[str, list[float]] = field(default_factory=dict)
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
 
@@ -467,24 +458,9 @@ class DraftPolicy:
             tokens, cost = tokens + reach[j], cost + d
         return sorted(chosen)
 
-    def tree_rate(self, reach: list[float], nodes: list[int], draft_forwards: int = 0, factor: float = 1.0) -> float:
-        """Expected tokens per unit of cost of verifying `nodes`, their estimates scaled by `factor`."""
-        return (1.0 + factor * sum(reach[j] for j in nodes)) / (draft_forwards * self.cost + self.verify_width_cost(1 + len(nodes)))
-
-    def retrieval_factor(self, kind: str) -> float:
-        """Accepted over estimated tokens of past retrieval rounds of `kind` ("tree" or "chain"),
-        shrunk toward 1 by `retrieval_calibration_prior` pseudo-tokens; 1 when not calibrating."""
-        if not self.settings.calibrate_retrieval:
-            return 1.0
-        accepted, estimated = self.state.retrieval_calibration.get(kind, (0.0, 0.0))
-        prior = self.settings.retrieval_calibration_prior
-        return (accepted + prior) / (estimated + prior)
-
-    def observe_estimate(self, kind: str, estimated: float, accepted: int) -> None:
-        """A retrieval round of `kind`: it was expected to get `estimated` tokens accepted, got `accepted`."""
-        decay = 1 - self.settings.ema_weight / 2  # remember about the last 2 / w rounds
-        old = self.state.retrieval_calibration.get(kind, (0.0, 0.0))
-        self.state.retrieval_calibration[kind] = [decay * old[0] + accepted, decay * old[1] + estimated]
+    def tree_rate(self, reach: list[float], nodes: list[int], draft_forwards: int = 0) -> float:
+        """Expected tokens per unit of cost of verifying `nodes`."""
+        return (1.0 + sum(reach[j] for j in nodes)) / (draft_forwards * self.cost + self.verify_width_cost(1 + len(nodes)))
 
     # ------------------------------------------------------------ while drafting
 

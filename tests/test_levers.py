@@ -111,27 +111,6 @@ def test_batch_lookup_rows_do_not_block_draft_probes():
     assert DRAFT not in plans(as_ngram_rounds)
 
 
-def test_retrieval_estimates_are_calibrated_by_what_each_kind_delivered():
-    """Trees that deliver half their estimate, chains that deliver twice theirs: each kind's factor
-    moves toward its ratio (shrunk toward 1 by the prior) and scales that kind's round rate only."""
-    from hf_specdec.proposals.tree import retrieval_kind
-
-    assert retrieval_kind([-1, 0, 1], [0, 1, 2]) == "chain" and retrieval_kind([-1, 0, -1], [0, 1, 2]) == "tree"
-    assert retrieval_kind([-1, 0, -1], [0, 1]) == "chain"  # the kept nodes decide
-    policy = DraftPolicy(PolicySettings(verify_cost=0.03, calibrate_retrieval=True))
-    assert policy.retrieval_factor("tree") == policy.retrieval_factor("chain") == 1.0
-    for _ in range(30):
-        policy.observe_estimate("tree", 2.0, 1)
-        policy.observe_estimate("chain", 1.0, 2)
-    assert 0.5 <= policy.retrieval_factor("tree") < 0.6 and 1.8 < policy.retrieval_factor("chain") <= 2.0
-    reach = [0.8, 0.6]
-    plain = policy.tree_rate(reach, [0, 1])
-    assert policy.tree_rate(reach, [0, 1], factor=policy.retrieval_factor("tree")) < plain
-    off = DraftPolicy()  # the default: off
-    off.observe_estimate("tree", 2.0, 0)
-    assert off.retrieval_factor("tree") == 1.0
-
-
 def test_batch_rounds_move_running_acceptance_as_much_as_one_row_round():
     """A round of 8 rows moves the running acceptance about as far as one single-row round (each row
     weighs 1 / rows): one bad batch round does not switch drafting off for the whole batch."""

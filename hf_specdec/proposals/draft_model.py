@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel, TemperatureLogitsWarper
 from transformers.generation.candidate_generator import CandidateGenerator
@@ -60,17 +62,15 @@ class VocabularySubsetHead:
         self.token_ids = token_ids.unique()  # sorted
         if isinstance(output_embeddings, WeightOnlyLinear):  # a quantized head (the int8 draft's default)
             self.project = output_embeddings.select_outputs(self.token_ids)
-        elif isinstance(output_embeddings, torch.nn.Linear) and not output_embeddings.weight.is_meta:
-            subset = torch.nn.Linear(output_embeddings.in_features, self.token_ids.numel(), bias=output_embeddings.bias is not None,
-                                     dtype=output_embeddings.weight.dtype, device=output_embeddings.weight.device)
-            subset.weight.data.copy_(output_embeddings.weight[self.token_ids])
-            if output_embeddings.bias is not None:
-                subset.bias.data.copy_(output_embeddings.bias[self.token_ids])
-            self.project = subset.requires_grad_(False)
+        elif getattr(output_embeddings, "weight", None) is not None and not output_embeddings.weight.is_meta:
+            weight = output_embeddings.weight[self.token_ids].detach().contiguous()  # [subset, hidden]
+            bias = getattr(output_embeddings, "bias", None)
+            self.project = functools.partial(torch.nn.functional.linear, weight=weight,
+                                             bias=None if bias is None else bias[self.token_ids].detach())
         else:
             raise ValueError(
-                f"draft_vocab_size needs the draft's output layer as a torch.nn.Linear or hf_specdec's WeightOnlyLinear "
-                f"with its weights loaded; got {type(output_embeddings).__name__}"
+                f"draft_vocab_size needs the draft's output layer's weights loaded (a {type(output_embeddings).__name__} "
+                "without them cannot be restricted to a vocabulary subset)"
             )
         self.vocab = vocab
 

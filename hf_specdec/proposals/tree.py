@@ -161,11 +161,6 @@ def subtree(trie: Trie, keep: list[int]) -> tuple[list[int], list[int]]:
     return tokens, parents
 
 
-def retrieval_kind(parents: list[int], keep: list[int]) -> str:
-    """"chain" when the nodes `keep` (a subtree hanging from the root) form one chain, else "tree"."""
-    return "chain" if len({parents[j] for j in keep}) == len(keep) else "tree"
-
-
 def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: str, device: torch.device) -> Proposal:
     """The proposal verifying nodes `keep` of `trie` (which holds `chain`'s tokens as its first nodes,
     all kept, when a draft chain is given). A plain chain when the kept nodes do not branch and come
@@ -218,6 +213,4 @@ def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
-__all__ = [
-    "Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_kind", "retrieval_reach", "retrieve", "subtree",
-]
+__all__ = ["Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_reach", "retrieve", "subtree"]

@@ -1,4 +1,4 @@
-"""Replay retrieval strategies against recorded greedy outputs, without running a model.
+"""Replay retrieval strategies against recorded outputs, without running a model.
 
 Greedy decoding is deterministic: given a run's plain greedy output for a prompt, the target's argmax
 after every prefix of prompt + output is known (up to bf16 ties), so how many tokens a lookup
@@ -6,6 +6,15 @@ proposal gets accepted in each round can be computed exactly by walking the prop
 known output. Each round is priced with a cost table (`costs.CostTable`, the same pricing as the
 eval's modelled seconds), so strategies compare deterministically, in seconds rather than the hour a
 real run takes. Only lookups can be replayed (a draft model's proposals need the draft).
+
+Sampling (`--mode sampling`) replays against a run's plain *sampled* outputs, and is exact in law for
+point-mass proposals: verifying a retrieved child x accepts it with probability p(x), and a later
+sibling y, after x was rejected, with p(y) / (1 - p(x)), which is P(next token = x) and P(next token = y
+| next token != x) under plain sampling. So coupling verification with the recorded sample (accept the
+child equal to the sampled token, if any) gives rounds with exactly the law a real run has, and every
+strategy is scored against the same texts (paired), where real sampled runs of two methods differ in
+their texts as well as their proposals. (transformers' prompt lookup verifies under sampling in just
+this way: it samples each position from p and accepts while the samples equal the candidates.)
 
 Strategies:
   prompt_lookup  transformers' PromptLookupCandidateGenerator: the earliest match of the last 2 (else 1)
@@ -130,7 +139,7 @@ def retrieval(verify_cost: float, knee_cost: float, min_ngram: int = 2, max_ngra
     return propose
 
 
-def load_cases(records_path: Path, categories) -> list[dict]:
+def load_cases(records_path: Path, categories, mode: str = "greedy") -> list[dict]:
     from transformers import AutoTokenizer
 
     from common import load_prompts
@@ -138,11 +147,11 @@ def load_cases(records_path: Path, categories) -> list[dict]:
 
     tokenizer = AutoTokenizer.from_pretrained(cache_dir() / "qwen2.5-coder-1.5b-instruct" / "safetensors-bfloat16")
     records = [json.loads(line) for line in open(records_path)]
-    plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == "greedy" and r["category"] in categories}
+    plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == mode and r["category"] in categories}
     prompts = {p["id"]: p for p in load_prompts(tokenizer, categories, None, "all") if p["id"] in plain}
     best = {}
     for r in records:
-        if r["mode"] == "greedy" and r["id"] in plain and r.get("modelled_speedup"):
+        if r["mode"] == mode and r["id"] in plain and r.get("modelled_speedup"):
             best.setdefault(r["id"], {})[r["method"]] = r["modelled_speedup"]
     return [dict(id=i, category=plain[i]["category"], prompt=prompts[i]["input_ids"], output=plain[i]["tokens"],
                  plain_seconds=plain[i]["modelled_seconds"], recorded=best.get(i, {})) for i in plain]
@@ -150,13 +159,15 @@ def load_cases(records_path: Path, categories) -> list[dict]:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--records", type=Path, required=True, help="a run's records.jsonl (greedy plain outputs)")
+    parser.add_argument("--records", type=Path, required=True, help="a run's records.jsonl (plain outputs)")
+    parser.add_argument("--mode", choices=["greedy", "sampling"], default="greedy",
+                        help="replay against the plain greedy or the plain sampled outputs (see above)")
     parser.add_argument("--cost-table", type=Path, required=True)
     parser.add_argument("--categories", nargs="+", default=["summarization", "rag"])
     parser.add_argument("--out", type=Path, help="write the per-prompt and per-category figures here (JSON)")
     args = parser.parse_args(argv)
     table = CostTable.load(args.cost_table)
-    cases = load_cases(args.records, args.categories)
+    cases = load_cases(args.records, args.categories, args.mode)
     strategies = {  # retrieval_<minimum match>_<branches>: 2gram_4 were the defaults before 1gram_8
         "prompt_lookup": lambda d, e: (prompt_lookup(), "transformers"),
         "retrieval_2gram_4": lambda d, e: (retrieval(d, e), "hf_specdec"),
@@ -170,7 +181,7 @@ def main(argv=None) -> dict:
         row = {}
         for name, make in strategies.items():
             propose, engine = make(pins["verify_cost"], pins["verify_knee_cost"])
-            seconds, log = Replay(table, engine).run(case["prompt"], case["output"], propose)
+            seconds, log = Replay(table, engine, args.mode).run(case["prompt"], case["output"], propose)
             row[name] = case["plain_seconds"] / seconds
         out[case["id"]] = dict(category=case["category"], replayed=row, recorded=case["recorded"])
         print(case["id"], case["category"], " ".join(f"{k} {v:.2f}" for k, v in row.items()),

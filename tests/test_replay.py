@@ -62,3 +62,76 @@ def test_replayed_prompt_lookup_takes_the_real_runs_forwards():
     # The library's retrieval trees, replayed: every round emits at least one token, all are emitted.
     seconds, log = Replay(flat_table(), "hf_specdec").run(prompt[0].tolist(), plain, retrieval(0.02, 0.02, min_ngram=1))
     assert sum(emitted for _, emitted in log) == len(plain) and len(log) < len(plain)
+
+
+def _coupled_law(tokens, parents, p_at, vocab, depth):
+    """The law of (accepted path, extra token) when the tree is walked along a text sampled plainly from
+    the target (what `lookup_replay --mode sampling` does): enumerate every text of depth + 1 tokens."""
+    import itertools
+
+    law = {}
+    for text in itertools.product(range(vocab), repeat=depth + 1):
+        path = accepted_walk(tokens, parents, list(text))
+        weight, node = 1.0, -1
+        for i in range(len(path) + 1):  # the tokens the walk read: each drawn from p after the node reached
+            weight *= float(p_at(node)[text[i]])
+            node = path[i] if i < len(path) else node
+        weight /= vocab ** (depth - len(path))  # the tokens the walk never read: summed out
+        key = (tuple(path), text[len(path)])
+        law[key] = law.get(key, 0.0) + weight
+    return law
+
+
+def _point_mass_rule_without_renormalising(tokens, parents, p_at, generator):
+    """A broken verifier: a later sibling is accepted with r(y) instead of r(y) / sum(r)."""
+    from hf_specdec.verify import draw
+
+    node, path = -1, []
+    while True:
+        residual, accepted = p_at(node).clone(), None
+        for child in [j for j, parent in enumerate(parents) if parent == node]:
+            if float(torch.rand((), generator=generator)) < float(residual[tokens[child]]):
+                accepted = child
+                break
+            residual[tokens[child]] = 0.0
+        if accepted is None:
+            return path, int(draw(residual[None], generator)[0])
+        path.append(accepted)
+        node = accepted
+
+
+def test_sampling_replay_has_the_law_of_the_tree_rule():
+    """The sampling replay's coupling (accept the child equal to a plainly sampled token) gives the
+    rounds of retrieval trees (point masses only) the same law as the library's rule: 20000 draws of
+    `tree_speculative_sampling` against the exactly enumerated law of the coupled walk, chi-square
+    p > 0.001 (fixed seeds). A verifier that does not renormalise after a rejected sibling fails it."""
+    from scipy.stats import chisquare
+
+    from hf_specdec.verify import tree_speculative_sampling
+
+    vocab = 4
+    # root -> 0 -> 1 -> 2, root -> 1 (a sibling), node 0 -> 3 (a sibling), node 1 -> 0
+    tokens, parents = [0, 1, 2, 1, 3, 0], [-1, 0, 1, -1, 0, 1]
+    gen = torch.Generator().manual_seed(7)
+    probs = {}
+    for node in range(-1, len(tokens)):  # a flat Dirichlet draw per node: p after that node
+        e = -torch.log(torch.rand(vocab, generator=gen))
+        probs[node] = e / e.sum()
+    p_at = probs.__getitem__
+    law = _coupled_law(tokens, parents, p_at, vocab, depth=3)
+    assert abs(sum(law.values()) - 1.0) < 1e-6
+    keys = sorted(law)
+
+    def statistic(verifier, seed):
+        generator = torch.Generator().manual_seed(seed)
+        counts = dict.fromkeys(keys, 0)
+        for _ in range(20000):
+            path, extra = verifier(tokens, parents, p_at, generator)
+            counts[(tuple(path), extra)] += 1
+        observed = [counts[k] for k in keys]
+        expected = [law[k] * 20000 for k in keys]
+        return chisquare(observed, [e * sum(observed) / sum(expected) for e in expected]).pvalue
+
+    library = lambda t, par, p, g: tree_speculative_sampling(t, par, None, p, generator=g)  # noqa: E731
+    assert statistic(library, 0) > 1e-3
+    assert statistic(_point_mass_rule_without_renormalising, 0) < 1e-6

@@ -14,8 +14,11 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   (1 + sum_{i<=j} P_i) / (1 + j (c + d)). P_j is estimated from the draft's own confidence (its
   probability of the token it proposed), calibrated online against what the target accepted.
 * fall back to plain decoding: a round drafts at all only if the first draft token pays for
-  itself (first-position acceptance > c + d); otherwise it is a plain target step, and every
-  `probe_interval` plain rounds one round drafts again to refresh the estimate.
+  itself (first-position acceptance > c + d); otherwise it is a plain target step, and after
+  `probe_interval` plain rounds one round drafts again to refresh the estimate. A probe whose own
+  first tokens did not pay (accepted in at most a share c + d of the rows) and that leaves drafting
+  off doubles the wait before the next one (up to `max_probe_interval`); a draft round that pays resets it. A probe costs a draft forward over every row plus a catch-up over the columns the
+  draft missed, so in a batch where drafting does not pay, probing every 8 rounds was a steady loss.
 * n-gram or draft model (hybrid): an n-gram proposal of length L costs 1 + L d (no draft forward)
   and emits 1 + sum_{i<=L} g^i, with g the running per-token acceptance of proposals after a match
   of that size (optimistic prior, so a match is tried); it is used when that rate is at least the
@@ -56,6 +59,7 @@ Pure Python (no torch, no transformers).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -96,6 +100,10 @@ class PolicySettings:
     # starts from this many pseudo-rounds in which retrieval lost (so one lucky lookup decides nothing).
     retrieval_prior_rounds: float = 2.0
     probe_interval: int = 8  # plain rounds before drafting is tried again
+    # After a probe that leaves drafting off, the wait before the next probe is multiplied by this
+    # (exponential backoff), up to max_probe_interval; a draft round that pays restores probe_interval.
+    probe_backoff: float = 2.0
+    max_probe_interval: int = 64
     ngram_prior_observations: float = 2.0  # weight of the all-sizes acceptance in a new size's (or depth's) estimate
     # Lookup positions 2 .. ngram_depths each get an acceptance (the last shared by every deeper
     # position); 0 (the default): one acceptance per match size for every position. Off by default:
@@ -123,6 +131,11 @@ class PolicySettings:
             raise ValueError(f"outlier_factor must be > 1, got {self.outlier_factor}")
         if self.verify_knee < 1:
             raise ValueError(f"verify_knee must be >= 1, got {self.verify_knee}")
+        if self.probe_interval < 1 or self.max_probe_interval < self.probe_interval or self.probe_backoff < 1:
+            raise ValueError(
+                "need 1 <= probe_interval <= max_probe_interval and probe_backoff >= 1, got "
+                f"{self.probe_interval}, {self.max_probe_interval} and {self.probe_backoff}"
+            )
 
 
 @dataclass
@@ -164,6 +177,8 @@ class PolicyState:
     retrieval_rounds: float = 0.0  # rounds in which that was compared
     cold_regret: float = 0.0  # target steps lost, against a warm draft, by rounds taken while the draft was cold
     plain_streak: int = 0
+    probe_wait: int = 0  # plain rounds before the next probe (0: probe_interval; backoff raises it)
+    probing: bool = False  # the draft was asked for as a probe and has not been observed yet
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
 
@@ -424,9 +439,16 @@ class DraftPolicy:
             return True
         if prefill and remaining and self.expected_draft_rate(prefill, remaining) <= 1:
             return False
-        if self.state.first_acceptance > self.cost + self.verify_cost:
+        if self.drafting_pays():
             return True
-        return self.state.plain_streak >= self.settings.probe_interval
+        if self.state.plain_streak >= (self.state.probe_wait or self.settings.probe_interval):
+            self.state.probing = True
+            return True
+        return False
+
+    def drafting_pays(self) -> bool:
+        """Whether the first draft token is expected to pay for itself (acceptance > c + d)."""
+        return self.state.first_acceptance > self.cost + self.verify_cost
 
     def plan(
         self, ngram_available: int, prefill: int = 0, remaining: int | None = None, ngram_size: int | None = None
@@ -528,6 +550,14 @@ class DraftPolicy:
             if source == DRAFT:
                 rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
                 s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)
+        if source == DRAFT:  # probe backoff: a failed probe doubles the wait, a draft that pays resets it
+            wait = s.probe_wait or self.settings.probe_interval
+            first = sum(n > 0 for n in num_accepted) / max(1, len(num_accepted))  # this round's first-token acceptance
+            if self.drafting_pays() or first > self.cost + self.verify_cost:
+                s.probe_wait = 0
+            elif s.probing:
+                s.probe_wait = min(self.settings.max_probe_interval, math.ceil(wait * self.settings.probe_backoff))
+            s.probing = False
 
     def observe_lookup(self, num_drafted: int, num_accepted: int, size: int | None) -> None:
         """One row's n-gram proposal of `num_drafted` tokens, `num_accepted` of them accepted, after a

@@ -111,6 +111,34 @@ def test_batch_lookup_rows_do_not_block_draft_probes():
     assert DRAFT not in plans(as_ngram_rounds)
 
 
+def test_failed_probes_back_off_and_a_paying_draft_resets_the_wait():
+    """Drafting off (first-token acceptance below c + d): probes come after 3, then 6, then 12 (the
+    cap) plain rounds while they keep failing. A probe whose draft pays restores the 3-round wait, so
+    drafting comes back within a few probes; when it fails again, the next probe is 3 rounds away.
+    Without backoff (probe_backoff=1): a probe every 4th round."""
+
+    def run(backoff: float, good: range, rounds: int = 48) -> list[int]:
+        policy = DraftPolicy(PolicySettings(draft_cost=0.5, verify_cost=0.1, probe_interval=3, max_probe_interval=12,
+                                            probe_backoff=backoff, rows=4), PolicyState(first_acceptance=0.1))
+        drafts = []
+        for i in range(rounds):
+            if policy.should_draft():
+                drafts.append(i)
+                accepted = i in good  # the draft's first token is accepted on every row, or on none
+                policy.observe_round(DRAFT, 1, [int(accepted)] * 4, [[0.9 if accepted else 0.1]] * 4)
+            else:
+                policy.observe_round(NONE, 0, [])
+        return drafts
+
+    assert run(2.0, range(0)) == [3, 10, 23, 36]
+    assert run(1.0, range(0)) == list(range(3, 48, 4))
+    drafts = run(2.0, range(10, 30))  # the draft pays from round 10 to 29
+    assert drafts[:3] == [3, 10, 14]  # the probe at 10 paid: the next one 3 plain rounds later, not 12
+    assert set(range(26, 31)) <= set(drafts)  # drafting is back on, every round, before the good stretch ends
+    off = min(i for i in range(31, 48) if i not in drafts)  # the first plain round after it
+    assert [i for i in drafts if i > off][0] == off + 3
+
+
 def test_batch_rounds_move_running_acceptance_as_much_as_one_row_round():
     """A round of 8 rows moves the running acceptance about as far as one single-row round (each row
     weighs 1 / rows): one bad batch round does not switch drafting off for the whole batch."""

@@ -173,6 +173,7 @@ def main(argv=None) -> dict:
         "retrieval_2gram_4": lambda d, e: (retrieval(d, e), "hf_specdec"),
         "retrieval_1gram_4": lambda d, e: (retrieval(d, e, min_ngram=1), "hf_specdec"),
         "retrieval_1gram_8": lambda d, e: (retrieval(d, e, min_ngram=1, branches=8), "hf_specdec"),
+        "retrieval_2gram_8": lambda d, e: (retrieval(d, e, min_ngram=2, branches=8), "hf_specdec"),
         "retrieval_1gram_8_no_knee": lambda d, e: (retrieval(d, 0.0, min_ngram=1, branches=8), "hf_specdec"),
     }
     out = {}

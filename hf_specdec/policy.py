@@ -17,8 +17,9 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   itself (first-position acceptance > c + d); otherwise it is a plain target step, and after
   `probe_interval` plain rounds one round drafts again to refresh the estimate. A probe whose own
   first tokens did not pay (accepted in at most a share c + d of the rows) and that leaves drafting
-  off doubles the wait before the next one (up to `max_probe_interval`); a draft round that pays resets it. A probe costs a draft forward over every row plus a catch-up over the columns the
-  draft missed, so in a batch where drafting does not pay, probing every 8 rounds was a steady loss.
+  off doubles the wait before the next one (up to `max_probe_interval`); a draft round that pays
+  resets it. A probe costs a draft forward over every row plus a catch-up over the columns the draft
+  missed, so in a batch where drafting does not pay, probing every 8 rounds was a steady loss.
 * n-gram or draft model (hybrid): an n-gram proposal of length L costs 1 + L d (no draft forward)
   and emits 1 + sum_{i<=L} g^i, with g the running per-token acceptance of proposals after a match
   of that size (optimistic prior, so a match is tried); it is used when that rate is at least the

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -124,6 +125,9 @@ def speculative_generate(
         _decode(state)
     finally:
         state.close_sink()
+    measured = state.policy.state.measured_verify_cost
+    if measured is not None:
+        _MEASURED_VERIFY_COSTS.setdefault(model, {})[_cost_key(model, input_ids.shape[0])] = measured
     return _finish(state)
 
 
@@ -144,6 +148,15 @@ def _decode(state: "DecodeState") -> None:
         emission = emit(state, verdict)
         observe(state, proposal, verdict, emission)
         retire(state, emission.finished)
+
+
+# d0 (`DraftPolicy.measuring_costs`) as measured by earlier calls on the same target model, per device,
+# torch thread count and batch rows: only a model's first call spends two rounds measuring it.
+_MEASURED_VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _cost_key(model: PreTrainedModel, rows: int) -> tuple:
+    return str(model.device), torch.get_num_threads(), rows
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -211,6 +224,7 @@ class Verdict:
     target_probs: torch.Tensor | None  # [rows, n, vocab]: p at those positions (sampling chains), else None
     seconds: float  # wall time of the stage
     path: list[int] | None = None  # trees: the accepted nodes, root first
+    columns: int = 0  # columns the target's forward took in (the whole prompt in the first round)
 
     @property
     def accepted(self) -> list[int]:
@@ -260,6 +274,8 @@ def propose(state: DecodeState) -> Proposal:
     nothing (a plain target step); the source proposes up to k tokens per row."""
     start, batch = state.clock.now(), state.batch
     room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
+    if state.policy.measuring_costs:  # the prompt's encoding and one step are timed before anything is guessed
+        room = 0
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room),
                            clock=state.clock.now if state.policy.measures_time else None)
     if state.trees and room > 0:
@@ -387,6 +403,7 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
     k = proposal.num_tokens
     ids = torch.cat([batch.ids, drafts], dim=1)  # [rows, seq + k]
     mask = None if batch.mask is None else torch.nn.functional.pad(batch.mask, (0, k), value=1)
+    columns = ids.shape[1] - state.cache.get_seq_length()
     logits = extend(state.model, state.cache, ids, mask, num_logits=k + 1)  # [rows, k + 1, vocab]
     prefixes, scores = batch.prefixes(), []
     if state.generation_config.do_sample:
@@ -405,7 +422,8 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
     host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the round's one device-to-host copy
     tokens = [row[1 : row[0] + 2] for row in host]
     target_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)  # [rows, n, vocab]
-    return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start)
+    return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start,
+                   columns=columns)
 
 
 def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -414,6 +432,7 @@ def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
     prefix, computed only for the nodes the walk reaches."""
     start, batch, tree = state.clock.now(), state.batch, proposal.tree
     tokens = proposal.tokens[0].tolist()
+    columns = batch.ids.shape[1] - state.cache.get_seq_length() + len(tokens)
     logits = extend_tree(state.model, state.cache, batch.ids, proposal.tokens, ancestors_mask(tree.parents),
                          depths(tree.parents))[0]  # [n + 1, vocab]: after the last real token, then after each node
     prefixes, scores = batch.prefixes(), {}
@@ -434,7 +453,7 @@ def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
         num_accepted=torch.tensor([len(path)], device=logits.device),
         emitted=torch.tensor([emitted], dtype=torch.long, device=logits.device), tokens=[emitted],
         target_scores=torch.stack([scores[n] for n in walk])[None], target_logits=logits[[n + 1 for n in walk]][None],
-        target_probs=None, seconds=state.clock.now() - start, path=path,
+        target_probs=None, seconds=state.clock.now() - start, path=path, columns=columns,
     )
 
 
@@ -496,7 +515,8 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
                 cache_length=state.cache.get_seq_length(), estimated_acceptance=proposal.estimates,
             ))
     state.stats.count_round(proposal.source, proposal.forwards, proposal.seconds, verdict.seconds)
-    state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1, proposal.catchup_seconds)
+    state.policy.observe_timing(proposal.seconds, proposal.forwards, verdict.seconds, k + 1, proposal.catchup_seconds,
+                                verdict.columns)
     if proposal.sources is not None:  # a batch mixing sources: each source learns from its own rows
         drafted = [i for i, source in enumerate(proposal.sources) if source == DRAFT]
         if drafted:
@@ -617,6 +637,9 @@ def _start(
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
         prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
     ))
+    known = _MEASURED_VERIFY_COSTS.get(model, {}).get(_cost_key(model, rows))
+    if known is not None and policy.measuring_costs:  # measured by an earlier call: no rounds spent on it
+        policy.state.measured_verify_cost, policy.state.costs_seen = known, True
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())

@@ -45,7 +45,16 @@ the target's one-token step time at that moment (a running ratio, so it holds wh
 batch; a first draft forward that catches up on more than two columns is not a step and is left
 out; one stalled round counts as at most `outlier_factor` times the estimate), d from a
 least-squares fit of verify time against the verify width (forgetting old rounds exponentially).
-Until a fit is possible, priors stand in.
+Until a fit is possible, priors stand in. The prior for d is measured before the first speculative
+round when costs are not pinned: the first two rounds are plain (the prompt's encoding, over n
+columns, then one one-token step), and d0 = (T_prefill / T_step - 1) / (n - 1). On a CPU whose
+forward is bound by reading the weights (the case speculation is built for) d0 is a few hundredths;
+on one that computes a many-token forward at the cost of as many steps (seen on a 2-core AVX2 EPYC
+without bf16 instructions: a bf16 forward over 2, 5 and 9 tokens costs 1.8, 4.2 and 7.7 steps) d0
+is close to 1, and then no round drafts: speculation there could only lose, and guessing with the
+optimistic prior had made the first rounds cost several steps each (0.75x on the README's command).
+`speculative_generate` remembers d0 per target model (device, threads, rows), so later calls on the
+same model start speculating at once.
 Verify time is not linear in width on a CPU: past a knee (9 tokens) the forward stops being bound by
 reading the weights and each token costs about twice as much. One row's verify forward over w
 tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once rounds on both
@@ -178,6 +187,12 @@ class PolicyState:
     retrieval_rounds: float = 0.0  # rounds in which that was compared
     cold_regret: float = 0.0  # target steps lost, against a warm draft, by rounds taken while the draft was cold
     plain_streak: int = 0
+    # The first round's (the prompt's encoding) target seconds and columns, and the verify cost d0
+    # measured from it and the first one-token step (None until then, or when it could not be).
+    prefill_seconds: float = 0.0
+    prefill_columns: int = 0
+    measured_verify_cost: float | None = None
+    costs_seen: bool = False  # a round after the prompt's encoding has been timed
     probe_wait: int = 0  # plain rounds before the next probe (0: probe_interval; backoff raises it)
     probing: bool = False  # the draft was asked for as a probe and has not been observed yet
     calib_accepted: list[float] = field(default_factory=list)
@@ -270,7 +285,10 @@ class DraftPolicy:
             if knee is not None:
                 return knee[1]
         fit = self._fit()
-        return min(1.0, self.settings.prior_verify_cost * self.settings.rows) if fit is None else fit[1]
+        if fit is not None:
+            return fit[1]
+        measured = self.state.measured_verify_cost
+        return min(1.0, self.settings.prior_verify_cost * self.settings.rows if measured is None else measured)
 
     @property
     def target_step_seconds(self) -> float | None:
@@ -293,22 +311,37 @@ class DraftPolicy:
         return self.settings.prior_draft_cost if ratio is None else ratio
 
     @property
+    def measuring_costs(self) -> bool:
+        """True while the round should be a plain step because the target's costs are still being
+        measured (the prompt's encoding and one step, when d is not pinned and decisions are adaptive)."""
+        return self.settings.adaptive and self.settings.verify_cost is None and not self.state.costs_seen
+
+    @property
     def measures_time(self) -> bool:
         """Whether decisions read wall time (then the loop must time rounds accurately)."""
         return self.settings.draft_cost is None or self.settings.verify_cost is None
 
     def observe_timing(
-        self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int, catchup_seconds: float = 0.0
+        self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int, catchup_seconds: float = 0.0,
+        columns: int | None = None,
     ) -> None:
         """One round's wall times; `width` tokens went through the verifying forward. A round in which
         either model encoded the prompt (its first forward) is not a step and is skipped.
         `catchup_seconds`: the part of `draft_seconds` spent in a first draft forward that fed the
         draft more than two columns it had not seen (after plain or lookup rounds; in a batch that is
-        that many tokens per row); it is not a draft step and is left out of c."""
+        that many tokens per row); it is not a draft step and is left out of c. `columns`: the columns
+        the target's forward took in (the whole prompt in the first round; default `width`)."""
         s = self.state
+        if not s.target_warm:
+            s.prefill_seconds, s.prefill_columns = target_seconds, columns or width
         if not s.target_warm or (draft_forwards > 0 and not s.draft_warm):
             s.target_warm, s.draft_warm = True, s.draft_warm or draft_forwards > 0
             return
+        if not s.costs_seen:
+            s.costs_seen = True
+            if width == 1 and s.prefill_columns > 1 and target_seconds > 0:  # d0, as the docstring says
+                d0 = (s.prefill_seconds / target_seconds - 1) / (s.prefill_columns - 1)
+                s.measured_verify_cost = min(1.0, max(0.0, d0))
         w = self.settings.ema_weight
         # A shared machine stalls now and then (another process, a collection): a round slower than
         # `outlier_factor` times what the estimates predict counts as that factor, so one stall moves

@@ -240,9 +240,10 @@ def hybrid_law(pair):
 
 
 def hybrid_kwargs(draft, sources: list | None = None):
-    """Library defaults (adaptive length, hybrid n-gram drafts), cheap pinned draft cost, k <= 3."""
+    """Library defaults (adaptive length, hybrid n-gram drafts), cheap pinned costs, k <= 3."""
     sink = None if sources is None else (lambda record: sources.append(record.source))
-    return spec_kwargs(draft, adaptive=True, ngram=True, tree=False, draft_cost=0.05, num_draft_tokens=3, acceptance_sink=sink)
+    return spec_kwargs(draft, adaptive=True, ngram=True, tree=False, draft_cost=0.05, verify_cost=0.03, num_draft_tokens=3,
+                       acceptance_sink=sink)
 
 
 def test_hybrid_ngram_drafts_are_exact(pair, hybrid_law):
@@ -370,7 +371,7 @@ def test_adaptive_draft_lengths_are_exact(pair):
     """Draft lengths chosen from the draft's own confidence (early stop) keep the law exact."""
     target, draft, law = pair
     records = []
-    kwargs = spec_kwargs(draft, adaptive=True, draft_cost=0.3, num_draft_tokens=3, acceptance_sink=records.append)
+    kwargs = spec_kwargs(draft, adaptive=True, draft_cost=0.3, verify_cost=0.03, num_draft_tokens=3, acceptance_sink=records.append)
     samples = sample_sequences(target, 11, **kwargs)
     lengths = {len(r.draft_tokens) for r in records if r.source == "draft"}
     assert len(lengths) > 1, f"the policy never varied the draft length: {lengths}"

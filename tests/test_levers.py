@@ -191,6 +191,45 @@ def test_policy_prefers_ngram_while_it_pays_and_measures_costs():
     assert DraftPolicy(state=PolicyState(ngram_acceptance=0.01)).ngram_length(16)[0] == 0  # not worth verifying at all
 
 
+def test_verify_cost_is_measured_from_the_prompt_and_one_step_before_anything_is_drafted():
+    """Unpinned costs: the first two rounds are plain (the cost model is measuring). The prompt's
+    encoding over 41 columns and one step then give the prior d0. A target whose forward costs as many
+    steps as it takes tokens (a CPU without bf16 instructions: 4.0 s for the prompt, 0.1 s a step)
+    reads d0 = 0.975 and drafts nothing; a weight-bound one (0.2 s for the prompt) reads 0.025 and
+    drafts. With the old fixed prior (0.03) the slow target would have drafted in round 2."""
+
+    def after(prefill_seconds: float) -> DraftPolicy:
+        policy = DraftPolicy(PolicySettings(draft_cost=0.3))
+        assert policy.measuring_costs
+        policy.observe_timing(0.0, 0, prefill_seconds, width=1, columns=41)  # round 0: the prompt
+        assert policy.measuring_costs  # round 1 is a plain step too
+        policy.observe_timing(0.0, 0, 0.1, width=1)
+        assert not policy.measuring_costs
+        return policy
+
+    slow, fast = after(4.0), after(0.2)
+    assert slow.verify_cost == pytest.approx(0.975) and slow.plan(0) == (NONE, 0) and slow.plan(8)[0] == NONE
+    assert fast.verify_cost == pytest.approx(0.025) and fast.plan(0)[0] == DRAFT
+    assert DraftPolicy(PolicySettings(draft_cost=0.3)).plan(0)[0] == DRAFT  # what the fixed prior alone would do
+    assert not DraftPolicy(PolicySettings(verify_cost=0.05)).measuring_costs  # pinned: nothing to measure
+
+
+def test_the_first_two_rounds_of_an_unpinned_call_are_plain_steps():
+    """The first call on a target measures d0 in two plain rounds; the next call on it does not."""
+    target = tiny_model("llama", seed=5)
+    draft = perturbed(target, noise=0.1)
+    records = []
+    out = spec(target, draft, max_new_tokens=30, acceptance_sink=records.append)
+    assert [r.source for r in records[:2]] == [NONE, NONE] and any(r.source != NONE for r in records[2:])
+    assert torch.equal(out.sequences, target.generate(REPEATING, do_sample=False, max_new_tokens=30))
+    again = []  # a second call on the same model: d0 is remembered, nothing is measured first
+    spec(target, draft, max_new_tokens=30, acceptance_sink=again.append)
+    assert again[0].source != NONE
+    pinned = []
+    spec(tiny_model("llama", seed=6), draft, max_new_tokens=30, draft_cost=0.05, verify_cost=0.02, acceptance_sink=pinned.append)
+    assert pinned[0].source != NONE  # pinned costs: nothing is measured first
+
+
 def test_draft_cost_is_a_ratio_that_leaves_out_catch_up_and_holds_when_rows_leave():
     """c is each draft step over the target's step at that moment: a first draft forward that caught up
     on several columns is left out, and when the batch shrinks (both steps cheaper) c stays."""
@@ -427,8 +466,8 @@ def test_batched_greedy_with_the_default_levers(draft_cost):
     plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30)
     records = []
     out = target.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, assistant=draft,
-                          do_sample=False, max_new_tokens=30, draft_cost=draft_cost, return_dict_in_generate=True,
-                          acceptance_sink=records.append)
+                          do_sample=False, max_new_tokens=30, draft_cost=draft_cost, verify_cost=0.06,
+                          return_dict_in_generate=True, acceptance_sink=records.append)
     assert torch.equal(out.sequences, plain)
     assert out.acceptance.drafted > 0
     by_row = {row: {r.source for r in records if r.row == row} for row in (0, 1)}

@@ -339,7 +339,9 @@ class DraftPolicy:
             return
         if not s.costs_seen:
             s.costs_seen = True
-            if width == 1 and s.prefill_columns > 1 and target_seconds > 0:  # d0, as the docstring says
+            # d0, as the docstring says; from 8 columns on (a shorter prompt's time is mostly overhead and
+            # noise, divided by few columns: the fixed prior stands, as before)
+            if width == 1 and s.prefill_columns >= 8 and target_seconds > 0:
                 d0 = (s.prefill_seconds / target_seconds - 1) / (s.prefill_columns - 1)
                 s.measured_verify_cost = min(1.0, max(0.0, d0))
         w = self.settings.ema_weight

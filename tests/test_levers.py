@@ -447,7 +447,7 @@ def test_reduced_vocabulary_draft_never_proposes_outside_it():
     draft = copy.deepcopy(target)  # agrees with the target wherever the subset allows
     records = []
     prompt = torch.tensor([[1, 5, 9, 2]])
-    out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_vocab_size=16, ngram=False, draft_cost=0.05,
+    out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_vocab_size=16, ngram=False, draft_cost=0.05, verify_cost=0.03,
                acceptance_sink=records.append)
     allowed = set(range(16)) | {1, 5, 9, 2}
     proposed = {t for r in records for t in r.draft_tokens}

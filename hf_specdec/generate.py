@@ -125,9 +125,6 @@ def speculative_generate(
         _decode(state)
     finally:
         state.close_sink()
-    measured = state.policy.state.measured_verify_cost
-    if measured is not None:
-        _MEASURED_VERIFY_COSTS.setdefault(model, {})[_cost_key(model, input_ids.shape[0])] = measured
     return _finish(state)
 
 
@@ -153,10 +150,6 @@ def _decode(state: "DecodeState") -> None:
 # d0 (`DraftPolicy.measuring_costs`) as measured by earlier calls on the same target model, per device,
 # torch thread count and batch rows: only a model's first call spends two rounds measuring it.
 _MEASURED_VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _cost_key(model: PreTrainedModel, rows: int) -> tuple:
-    return str(model.device), torch.get_num_threads(), rows
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -205,6 +198,7 @@ class DecodeState:
     write_record: Callable[[RoundRecord], None] | None
     close_sink: Callable[[], None]
     requests: Requests | None = None  # continuous batching: where waiting prompts come from and results go
+    cost_key: tuple = ()  # (device, threads, rows): where this call's measured d0 is remembered
 
     @property
     def caches(self) -> tuple[Cache | None, ...]:
@@ -637,7 +631,8 @@ def _start(
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
         prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
     ))
-    known = _MEASURED_VERIFY_COSTS.get(model, {}).get(_cost_key(model, rows))
+    cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse
+    known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)
     if known is not None and policy.measuring_costs:  # measured by an earlier call: no rounds spent on it
         policy.state.measured_verify_cost, policy.state.costs_seen = known, True
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
@@ -661,7 +656,7 @@ def _start(
         streamer=streamer, generator=generator, clock=Clock(model.device, synchronize=decides_on_time),
         stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
         outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
-        requests=requests,
+        requests=requests, cost_key=cost_key,
     )
 
 
@@ -688,6 +683,9 @@ def _drafter(
 
 
 def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
+    measured = state.policy.state.measured_verify_cost  # remembered for the next call on this model
+    if measured is not None:
+        _MEASURED_VERIFY_COSTS.setdefault(state.model, {})[state.cost_key] = measured
     if state.streamer is not None:
         state.streamer.end()
     stats = state.stats

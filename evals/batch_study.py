@@ -1,6 +1,6 @@
 """Batched throughput: plain batched decoding against hf_specdec at several batch sizes, greedy and sampling.
 
-    python evals/batch_study.py --out runs/batch     # real pair, batch 1-16, both modes: ~20 min on 2 CPU cores
+    python evals/batch_study.py --out runs/batch     # real pair, batch 1-16, both modes, 16 prompts a size: ~40 min on 2 CPU cores
     python evals/batch_study.py --target tiny --draft tiny --batch-sizes 1 2 4 --max-new-tokens 10 --out runs/tiny-batch
 
 Short prompts (Spec-Bench's shorter tasks and HumanEval), round-robin over the categories so that
@@ -10,7 +10,9 @@ larger) are cut into batches, left-padded, and each batch runs plain decoding th
 each row's generated tokens up to and including its EOS; the padding after a finished row is not
 work. Greedy: checks that every batched hf_specdec output equals plain batched greedy. Also records
 the per-row proposal lengths (each row's tokens proposed per round, 0 = a plain step for that row)
-and their sources. Writes <out>/batch_throughput.json, .md and .png (throughput against batch size).
+and their sources. Writes <out>/batch_throughput.json, .md and .png (throughput against batch size)
+after every cell, so a run stopped early keeps the cells it finished (`complete` in the json says
+whether it ran to the end). Each cell also gives the spread of its per-batch ratios.
 """
 
 from __future__ import annotations
@@ -115,9 +117,12 @@ def length_distribution(records) -> dict:
 
 
 def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens,
-                     modes=("greedy",), prompts_per_size: int | None = None, draft_vocab_size: int | None = None) -> list[dict]:
+                     modes=("greedy",), prompts_per_size: int | None = None, draft_vocab_size: int | None = None,
+                     on_row=None) -> list[dict]:
     """Throughput (generated tokens / second) of plain batched decoding and hf_specdec at each batch
-    size and mode, over the same prompts, the two interleaved batch by batch."""
+    size and mode, over the same prompts, the two interleaved batch by batch. Each cell also keeps
+    the ratio of every batch on its own (`batch_ratios`): their spread is the noise a one-run cell
+    carries. `on_row(rows)`, if given, is called with the rows so far after each cell."""
     from tqdm.auto import tqdm
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -132,19 +137,22 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
         for size in batch_sizes:
             count = len(prompts) if not prompts_per_size else max(size, min(prompts_per_size, len(prompts)))
             tokens, seconds = {"plain": 0, "hf_specdec": 0}, {"plain": 0.0, "hf_specdec": 0.0}
-            match, acceptance, records, diverged = True, [], [], []
+            match, acceptance, records, diverged, batch_ratios = True, [], [], [], []
             chunks = [prompts[i : i + size] for i in range(0, count - size + 1, size)]
             for n, chunk in enumerate(tqdm(chunks, desc=f"{mode_name} batch {size}")):
                 ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
-                outputs = {}
+                outputs, this_batch = {}, {}
                 for method, kwargs in (("plain", None), ("hf_specdec", dict(spec, acceptance_sink=records.append))):
                     seqs, took, stats = _timed_generate(target, ids, mask, pad_id, max_new_tokens, mode, kwargs, seed=n)
                     new = seqs[:, ids.shape[1] :]  # (batch, new)
-                    tokens[method] += sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new)
+                    made = sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new)
+                    tokens[method] += made
                     seconds[method] += took
+                    this_batch[method] = (made, took)
                     outputs[method] = seqs
                     if stats is not None:
                         acceptance.append(stats)
+                batch_ratios.append(speedup_over_plain(*this_batch["hf_specdec"], *this_batch["plain"]))
                 if mode_name == "greedy" and not torch.equal(outputs["plain"], outputs["hf_specdec"]):
                     match = False
                     rows_new = [[_trim(row, tokenizer.eos_token_id, pad_id) for row in outputs[m][:, ids.shape[1]:]]
@@ -159,15 +167,17 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
                 ratio=speedup_over_plain(tokens["hf_specdec"], seconds["hf_specdec"], tokens["plain"], seconds["plain"]),
                 acceptance_rate=merged.acceptance_rate, all_match_plain=bool(match) if mode_name == "greedy" else None,
                 mismatches=diverged if mode_name == "greedy" else None,
-                lengths=length_distribution(records),
+                lengths=length_distribution(records), batch_ratios=batch_ratios,
             ))
+            if on_row is not None:
+                on_row(rows)
     return rows
 
 
 def batch_table(rows) -> str:
-    lines = ["| mode | batch size | prompts | plain tok/s | hf_specdec tok/s | hf_specdec / plain | acceptance | "
-             "row length mean / p50 / p90 | rows at 0 | rows by source | greedy match |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| mode | batch size | prompts | plain tok/s | hf_specdec tok/s | hf_specdec / plain | per batch (min-max) | "
+             "acceptance | row length mean / p50 / p90 | rows at 0 | rows by source | greedy match |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         d = r.get("lengths") or {}
         shares = ", ".join(f"{k} {v:.0%}" for k, v in d.get("source_share", {}).items())
@@ -175,8 +185,11 @@ def batch_table(rows) -> str:
             "NO: " + ", ".join(f"{m['prompt']} @{m['position']} {m['bf16_steps']:.0f} bf16 steps" for m in r.get("mismatches") or []))
         lengths = f"{d['mean']:.1f} / {d['p50']} / {d['p90']}" if d else "-"
         zero = f"{d['zero_share']:.0%}" if d else "-"
+        per_batch = r.get("batch_ratios") or []
+        spread = (f"{min(per_batch):.2f}-{max(per_batch):.2f}x ({len(per_batch)})" if len(per_batch) > 1
+                  else "one batch" if per_batch else "-")
         lines.append(f"| {r.get('mode', 'greedy')} | {r['batch_size']} | {r['prompts']} | {r['plain_tokens_per_s']:.2f} | "
-                     f"{r['hf_specdec_tokens_per_s']:.2f} | {r['ratio']:.2f}x | {r['acceptance_rate']:.2f} | {lengths} | "
+                     f"{r['hf_specdec_tokens_per_s']:.2f} | {r['ratio']:.2f}x | {spread} | {r['acceptance_rate']:.2f} | {lengths} | "
                      f"{zero} | {shares} | {match} |")
     return "\n".join(lines)
 
@@ -217,20 +230,26 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     draft = drafts_by_precision(draft, args.draft_bits)["hf"]
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
-    rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
-                            modes=args.modes, prompts_per_size=args.prompts_per_size, draft_vocab_size=args.draft_vocab_size)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
                   torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size,
                   draft_vocab_size=args.draft_vocab_size)
-    (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows), indent=2))
-    table = batch_table(rows)
     title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
-    (out / "batch_throughput.md").write_text(f"# {title}\n\n{table}\n\n![throughput](batch_throughput.png)\n")
-    plot_throughput(rows, out / "batch_throughput.png")
-    print(table)
+
+    def write(rows, done: bool = False) -> None:  # after every cell: a run stopped early keeps what it measured
+        (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows, complete=done), indent=2))
+        status = "" if done else "\n\n(partial: the run has not finished every cell)"
+        (out / "batch_throughput.md").write_text(
+            f"# {title}\n\n{batch_table(rows)}{status}\n\n![throughput](batch_throughput.png)\n")
+        plot_throughput(rows, out / "batch_throughput.png")
+
+    rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
+                            modes=args.modes, prompts_per_size=args.prompts_per_size, draft_vocab_size=args.draft_vocab_size,
+                            on_row=write)
+    write(rows, done=True)
+    print(batch_table(rows))
     return rows
 
 
@@ -240,8 +259,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-    parser.add_argument("--prompts-per-size", type=int, default=8,
-                        help="prompts run at each batch size (at least one batch; 0: as many as the largest batch)")
+    parser.add_argument("--prompts-per-size", type=int, default=16,
+                        help="prompts run at each batch size (at least one batch; 0: as many as the largest batch); "
+                             "16 gives batch 8 two batches, whose spread shows the cell's noise")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,

@@ -12,7 +12,7 @@ from pathlib import Path
 from .config import SpeculativeConfig
 from .continuous import StreamResult, generate_continuous
 from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
-from .policy import DraftPolicy, PolicySettings, PolicyState
+from .policy import CostEstimates, DraftPolicy, PolicySettings, PolicyState
 from .proposals import (
     CandidateGeneratorDrafter,
     DraftCandidateGenerator,
@@ -40,6 +40,7 @@ __all__ = [
     "CUSTOM_GENERATE_DIR",
     "AcceptanceStats",
     "CandidateGeneratorDrafter",
+    "CostEstimates",
     "DraftCandidateGenerator",
     "DraftModelDrafter",
     "DraftPolicy",

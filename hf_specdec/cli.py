@@ -87,6 +87,8 @@ def generate_command(args: argparse.Namespace) -> None:
     print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds "
           f"({stats.ngram_rounds} from n-gram lookup, {stats.plain_rounds} plain steps)")
     print(f"acceptance by position:  {' '.join(f'{r:.2f}' for r in stats.per_position_rate)}")
+    if out.cost_model is not None:
+        print(f"cost model:              {out.cost_model.describe()}")
     if not common["do_sample"]:
         identical = torch.equal(out.sequences, plain)
         print(f"identical to plain greedy: {identical}")

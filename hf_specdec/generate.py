@@ -46,7 +46,7 @@ from .cache import (
 )
 from .config import SpeculativeConfig
 from .continuous import Requests
-from .policy import DraftPolicy, PolicySettings
+from .policy import CostEstimates, DraftPolicy, PolicySettings
 from .proposals import (
     CandidateGeneratorDrafter, Drafter, DraftModelDrafter, DraftRequest, NgramDrafter, Proposal, with_draft_temperature,
 )
@@ -60,10 +60,12 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
-    """transformers' decoder-only generate output, plus `acceptance` (an `AcceptanceStats`)."""
+    """transformers' decoder-only generate output, plus `acceptance` (an `AcceptanceStats`) and
+    `cost_model` (a `CostEstimates`: the draft and verify costs the call decided with)."""
 
     acceptance: AcceptanceStats | None = None  # the whole batch
     acceptance_per_row: list[AcceptanceStats] | None = None  # one per input row
+    cost_model: CostEstimates | None = None
 
 
 def speculative_generate(
@@ -697,7 +699,7 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
     scores, logits = state.outputs.stacked()
     return SpeculativeDecoderOnlyOutput(
         sequences=sequences, scores=scores, logits=logits, cache=state.cache,
-        acceptance=stats, acceptance_per_row=state.row_stats,
+        acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.policy.estimates(),
     )
 
 

@@ -199,6 +199,38 @@ class PolicyState:
     calib_reached: list[float] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class CostEstimates:
+    """The cost model's estimates at the end of a generate call, in target steps (see the module
+    docstring): what decided whether and how far each round drafted. A drafted token pays for
+    itself only when its chance of acceptance beats `draft_cost + verify_cost`."""
+
+    draft_cost: float  # c: one draft forward
+    verify_cost: float  # d: one more token in the verifying forward
+    verify_knee_cost: float  # e: what each verify token past the knee adds on top of d
+    measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
+    first_acceptance: float  # running acceptance of the first draft token
+    drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
+    pinned: bool  # c and d were given (draft_cost, verify_cost), not measured
+
+    def describe(self) -> str:
+        """One line for a person: the costs and whether a drafted token pays on this machine."""
+        source = "pinned" if self.pinned else "measured"
+        line = (f"draft step c = {self.draft_cost:.2f}, verify d = {self.verify_cost:.2f} a token ({source}): "
+                f"a drafted token pays when accepted more often than c + d = {self.draft_cost + self.verify_cost:.2f}"
+                f" (first-token acceptance {self.first_acceptance:.2f})")
+        if self.verify_cost >= SLOW_VERIFY:
+            line += (f"; here one more token in a forward costs {self.verify_cost:.2f} of a step, so little can pay: "
+                     "speculation needs a forward bound by reading the weights (a GPU, or a CPU with bf16 "
+                     "instructions such as AVX-512 BF16 or AMX for a bf16 model)")
+        return line
+
+
+# A verify cost d at or above this (in target steps per token) means the machine computes a forward
+# over k tokens at several steps' cost: speculation is then near break-even at best.
+SLOW_VERIFY = 0.3
+
+
 class DraftPolicy:
     """Online cost model for one generate call (see the module docstring)."""
 
@@ -485,6 +517,15 @@ class DraftPolicy:
     def drafting_pays(self) -> bool:
         """Whether the first draft token is expected to pay for itself (acceptance > c + d)."""
         return self.state.first_acceptance > self.cost + self.verify_cost
+
+    def estimates(self) -> CostEstimates:
+        """The estimates as they stand (for the output and for people; decisions read the properties)."""
+        return CostEstimates(
+            draft_cost=self.cost, verify_cost=self.verify_cost, verify_knee_cost=self.knee_cost,
+            measured_verify_cost=self.state.measured_verify_cost, first_acceptance=self.state.first_acceptance,
+            drafting_pays=self.drafting_pays(),
+            pinned=self.settings.draft_cost is not None and self.settings.verify_cost is not None,
+        )
 
     def plan(
         self, ngram_available: int, prefill: int = 0, remaining: int | None = None, ngram_size: int | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 from scipy import stats
@@ -10,6 +11,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 ARCHITECTURES = ("llama", "qwen2", "gpt2")
+
+# Under pytest-xdist (setup.cfg runs one worker per core) each worker gets its share of the cores:
+# the tiny models are bound by Python overhead, so workers, not threads, are what use a second core.
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 def tiny_model(arch: str = "llama", vocab: int = 64, layers: int = 2, seed: int = 0, init: float = 0.3, eos=None):

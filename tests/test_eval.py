@@ -148,9 +148,15 @@ def test_batch_throughput_study_on_tiny_models(tmp_path):
         assert row["plain_tokens_per_s"] > 0 and row["hf_specdec_tokens_per_s"] > 0
         assert row["ratio"] == pytest.approx(row["hf_specdec_tokens_per_s"] / row["plain_tokens_per_s"])
         assert 0 <= row["acceptance_rate"] <= 1
+        per_batch = row["batch_ratios"]  # one ratio per batch
+        assert len(per_batch) == 4 // row["batch_size"] and all(r > 0 for r in per_batch)
+        if row["mode"] == "greedy":  # same tokens both ways: the cell's ratio is a mediant of the batches'
+            assert min(per_batch) - 1e-9 <= row["ratio"] <= max(per_batch) + 1e-9
         lengths = row["lengths"]
         assert lengths["row_rounds"] > 0 and 0 <= lengths["zero_share"] <= 1 and sum(lengths["source_share"].values()) == pytest.approx(1)
+    assert result["complete"] is True
     assert "| greedy | 4 | 4 |" in (tmp_path / "batch_throughput.md").read_text()
+    assert "(4) |" in (tmp_path / "batch_throughput.md").read_text()  # batch 1: the spread over its four batches
     assert (tmp_path / "batch_throughput.png").stat().st_size > 0
 
 

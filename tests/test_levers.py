@@ -212,6 +212,11 @@ def test_verify_cost_is_measured_from_the_prompt_and_one_step_before_anything_is
     assert fast.verify_cost == pytest.approx(0.025) and fast.plan(0)[0] == DRAFT
     assert DraftPolicy(PolicySettings(draft_cost=0.3)).plan(0)[0] == DRAFT  # what the fixed prior alone would do
     assert not DraftPolicy(PolicySettings(verify_cost=0.05)).measuring_costs  # pinned: nothing to measure
+    # What the output and the CLI report: the slow machine is named as one where little can pay.
+    told = slow.estimates()
+    assert told.measured_verify_cost == pytest.approx(0.975) and not told.drafting_pays and not told.pinned
+    assert "little can pay" in told.describe() and "little can pay" not in fast.estimates().describe()
+    assert fast.estimates().drafting_pays
 
 
 def test_the_first_two_rounds_of_an_unpinned_call_are_plain_steps():
@@ -225,9 +230,12 @@ def test_the_first_two_rounds_of_an_unpinned_call_are_plain_steps():
     again = []  # a second call on the same model: d0 is remembered, nothing is measured first
     spec(target, draft, max_new_tokens=30, acceptance_sink=again.append)
     assert again[0].source != NONE
+    assert out.cost_model.measured_verify_cost is not None and not out.cost_model.pinned
     pinned = []
-    spec(tiny_model("llama", seed=6), draft, max_new_tokens=30, draft_cost=0.05, verify_cost=0.02, acceptance_sink=pinned.append)
+    told = spec(tiny_model("llama", seed=6), draft, max_new_tokens=30, draft_cost=0.05, verify_cost=0.02,
+                acceptance_sink=pinned.append).cost_model
     assert pinned[0].source != NONE  # pinned costs: nothing is measured first
+    assert (told.draft_cost, told.verify_cost, told.pinned, told.measured_verify_cost) == (0.05, 0.02, True, None)
 
 
 def test_draft_cost_is_a_ratio_that_leaves_out_catch_up_and_holds_when_rows_leave():

@@ -91,7 +91,7 @@ def speculative_generate(
     verify_cost: float | None = None,
     verify_knee_cost: float | None = None,
     tree: bool | None = None,
-    draft_window: int | None = None,
+    draft_window: int | None | str = "default",
     speculative_config: SpeculativeConfig | None = None,
     requests: Requests | None = None,
     **model_kwargs: Any,
@@ -155,8 +155,13 @@ _MEASURED_VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
-    """`base` (or the defaults) with every explicitly given argument (not None) replacing its field."""
-    return dataclasses.replace(base or SpeculativeConfig(), **{k: v for k, v in overrides.items() if v is not None})
+    """`base` (or the defaults) with every explicitly given argument replacing its field. None means
+    "not given", except for `draft_window`, whose None (the whole prompt) differs from its default:
+    there "not given" is the string "default"."""
+    given = {k: v for k, v in overrides.items() if v is not None and not (k == "draft_window" and v == "default")}
+    if overrides.get("draft_window", "default") is None:
+        given["draft_window"] = None
+    return dataclasses.replace(base or SpeculativeConfig(), **given)
 
 
 # ---------------------------------------------------------------- the state a round works on
@@ -546,7 +551,8 @@ def retire(state: DecodeState, finished: list[bool]) -> None:
                 row = state.batch.rows[i]
                 state.requests.finished(row, state.batch.prompts[row], state.batch.generated[row], state.row_stats[row])
     if any(finished):
-        state.batch.select([i for i, done in enumerate(finished) if not done], state.caches)
+        ending = state.requests is None and all(finished)  # the call ends: caches are left for `_finish`
+        state.batch.select([i for i, done in enumerate(finished) if not done], () if ending else state.caches)
         if state.batch.size:
             state.policy.set_rows(state.batch.size)  # the verify-cost prior and lookup pricing follow the batch
     if state.batch.should_compact(state.caches):
@@ -698,9 +704,20 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
         return sequences
     scores, logits = state.outputs.stacked()
     return SpeculativeDecoderOnlyOutput(
-        sequences=sequences, scores=scores, logits=logits, cache=state.cache,
+        sequences=sequences, scores=scores, logits=logits, cache=_reusable_cache(state, sequences),
         acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.policy.estimates(),
     )
+
+
+def _reusable_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:
+    """The target's cache as plain generate() returns it, for a follow-up call (`cache=`): for a single
+    row, every token of `sequences` but the last (tokens accepted past a stop are cut). None for a
+    batch or a stream: their columns hold holes and padding in this loop's own layout, which a plain
+    call would misread."""
+    if state.requests is not None or sequences.shape[0] != 1:  # a single row never has holes
+        return None
+    rollback([state.cache], sequences.shape[1] - 1)
+    return state.cache if state.cache.get_seq_length() == sequences.shape[1] - 1 else None
 
 
 def _draft_vocabulary(
@@ -730,6 +747,7 @@ class _Outputs:
         want = generation_config.return_dict_in_generate
         self.scores = [[] for _ in range(batch)] if want and generation_config.output_scores else None
         self.logits = [[] for _ in range(batch)] if want and generation_config.output_logits else None
+        self.pad_token_id = _pad_token_id(generation_config)  # what a finished row's sequence holds
 
     def add_row(self) -> None:
         for per_row in (self.scores, self.logits):
@@ -744,15 +762,17 @@ class _Outputs:
 
     def stacked(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
         """One [batch, vocab] tensor per generated position, like transformers; a row that had
-        already finished gets -inf there (it emitted no token)."""
+        already finished gets a point mass on its padding there (it emitted no token)."""
         return self._stack(self.scores), self._stack(self.logits)
 
-    @staticmethod
-    def _stack(per_row: list[list[torch.Tensor]] | None) -> tuple[torch.Tensor, ...] | None:
+    def _stack(self, per_row: list[list[torch.Tensor]] | None) -> tuple[torch.Tensor, ...] | None:
         if per_row is None:
             return None
         template = next(t for row in per_row for t in row)
+        # A finished row "emits" padding: a point mass on the pad token (0 there, -inf elsewhere), so that
+        # compute_transition_scores gives it log-probability 0, as padding (all -inf would give NaN).
         filler = torch.full_like(template, -float("inf"))
+        filler[self.pad_token_id] = 0.0
         longest = max(len(row) for row in per_row)
         return tuple(
             torch.stack([row[t] if t < len(row) else filler for row in per_row]) for t in range(longest)
@@ -799,9 +819,39 @@ def _validate(
         raise ValueError(
             f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
+    _validate_model_inputs(model_kwargs)
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
     check_cache(model_kwargs.get("cache"), "target")
+    cached = model_kwargs["cache"].get_seq_length() if model_kwargs.get("cache") is not None else 0
+    if cached >= input_ids.shape[1]:
+        raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
+                         "must hold a prefix of input_ids, with at least the last token left to encode.")
     if assistant is not None:
         _validate_assistant(model, assistant)
+
+
+# What generate() puts in model_kwargs for a text prompt, all of which the loop handles itself:
+# the mask, the cache, and settings it derives anew for every forward (positions from the mask).
+_HANDLED_MODEL_INPUTS = frozenset({
+    "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep", "position_ids", "cache_position",
+    "output_attentions", "output_hidden_states", "return_dict",
+})
+
+
+def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
+    """Clear errors for forward inputs the loop would otherwise drop (plain generate() passes them to
+    every forward, so dropping them would silently change the output)."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_specdec starts from input_ids (both models read the same token ids); "
+                         "inputs_embeds is not supported: pass the prompt as input_ids.")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_INPUTS)
+    if extra:
+        raise ValueError(
+            f"hf_specdec feeds both models token ids and an attention mask only; got {', '.join(extra)}, which plain "
+            "generate() would pass to every forward and hf_specdec would drop. Generate without them, or with "
+            "plain generate()."
+        )
 
 
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:

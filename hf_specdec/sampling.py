@@ -46,6 +46,21 @@ PREFIX_FREE = tuple(
     if hasattr(lp, name)
 )
 
+# transformers processors that keep state between calls or read the batch as pairs of rows. A
+# speculative round calls the pipeline at several positions, for both models, and rolls back what
+# the target rejects, so such a processor would see other calls than plain decoding makes and the
+# output would silently differ (classifier-free guidance: `guidance_scale` runs its own forward over
+# the unconditional prompt and keeps that cache). Refused, with a row or a batch.
+STATEFUL = tuple(
+    getattr(lp, name)
+    for name in (
+        "UnbatchedClassifierFreeGuidanceLogitsProcessor", "ClassifierFreeGuidanceLogitsProcessor",
+        "WhisperTimeStampLogitsProcessor", "WhisperNoSpeechDetection", "AlternatingCodebooksLogitsProcessor",
+        "DiaEOSDelayPatternLogitsProcessor", "DiaClassifierFreeGuidanceLogitsProcessor",
+    )
+    if hasattr(lp, name)
+)
+
 # A LogitsProcessorList or anything with the same call signature: (input_ids, scores) -> scores.
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -83,6 +98,7 @@ class RowProcessors:
     """
 
     def __init__(self, processor: LogitsProcessorList | None, batch_size: int):
+        check_stateless(processor)
         self.pipeline = _fast(processor)
         self.per_row = _row_pipelines(self.pipeline, batch_size) if batch_size > 1 else [self.pipeline]
         pipeline = list(self.pipeline or [])
@@ -239,6 +255,18 @@ def _row_pipelines(processor: LogitsProcessorList | None, batch: int) -> list[Lo
         return [None] * batch
     _check_row_safe(processor)
     return [_row_pipeline(processor, lambda ignored, b=b: ignored[b : b + 1]) for b in range(batch)]
+
+
+def check_stateless(processor: LogitsProcessorList | None) -> None:
+    """Raises for a processor that keeps state between calls (`STATEFUL`): its output would differ."""
+    stateful = [type(p).__name__ for p in processor or [] if isinstance(p, STATEFUL)]
+    if stateful:
+        hint = " (set by guidance_scale)" if any("ClassifierFreeGuidance" in name for name in stateful) else ""
+        raise ValueError(
+            f"{', '.join(stateful)}{hint} keeps state between calls, and speculative decoding calls the logits "
+            "processors at several positions per round for both models, so the output would differ from plain "
+            "generate(); hf_specdec does not support it: use plain generate() for this generation."
+        )
 
 
 def _check_row_safe(processor: LogitsProcessorList) -> None:

@@ -215,6 +215,7 @@ def test_batched_sampling_is_exact_per_row(pair, batch_laws):
         assert pvalue > ALPHA
 
 
+@pytest.mark.slow  # ~90 s; in the default tier a batch's broken q is caught by the mixed-batch variant below
 def test_batched_broken_variant_is_detected(pair, batch_laws):
     target, draft, _ = pair
     broken = OverconfidentQ(draft, processors(), do_sample=True)

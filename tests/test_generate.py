@@ -265,6 +265,56 @@ def test_errors_name_the_problem():
         spec(target, target, max_new_tokens=3, num_draft_tokens=-1)
     with pytest.raises(ValueError, match="draft_temperature"):
         spec(target, target, max_new_tokens=3, do_sample=True, draft_temperature=0.0)
+    # What plain generate() would use and this loop cannot: refused, never silently dropped.
+    with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidance.*guidance_scale"):
+        spec(target, target, max_new_tokens=3, guidance_scale=3.0)
+    gpt2 = tiny_model("gpt2", seed=14)
+    with pytest.raises(ValueError, match="got token_type_ids"):
+        spec(gpt2, gpt2, max_new_tokens=3, token_type_ids=torch.zeros_like(PROMPT))
+    with pytest.raises(ValueError, match="inputs_embeds is not supported"):
+        target.generate(inputs_embeds=target.get_input_embeddings()(PROMPT), custom_generate=hf_specdec.speculative_generate,
+                        assistant=target, max_new_tokens=3)
+    done = spec(target, target, max_new_tokens=3, return_dict_in_generate=True)
+    target.generate(done.sequences, cache=done.cache, max_new_tokens=2)  # plain decoding extends the cache past its input
+    with pytest.raises(ValueError, match="must hold a prefix of input_ids"):
+        spec(target, target, max_new_tokens=3, cache=done.cache)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_single_rows_cache_continues_like_plain_generates(tree):
+    """out.cache holds every token of out.sequences but the last (as plain generate() returns it), so a
+    follow-up call with `cache=out.cache` continues plain greedy, plain or speculative, even when the
+    first call stopped inside a round (max_new_tokens cutting accepted tokens)."""
+    target = tiny_model("llama", seed=5)
+    draft = perturbed(target, noise=0.2)
+    prompt = torch.tensor([[1, 5, 2, 7, 1, 5, 2, 7, 1, 5]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    levers = dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False, tree=tree, ngram=True,
+                  draft_cost=0.05, verify_cost=0.02)
+    for first in (7, 12):
+        out = target.generate(prompt, max_new_tokens=first, return_dict_in_generate=True, **levers)
+        assert out.cache.get_seq_length() == out.sequences.shape[1] - 1
+        more = target.generate(out.sequences, cache=out.cache, max_new_tokens=30 - first, **levers)
+        assert torch.equal(more, plain)
+    out = target.generate(prompt, max_new_tokens=9, return_dict_in_generate=True, **levers)
+    assert torch.equal(target.generate(out.sequences, cache=out.cache, do_sample=False, max_new_tokens=21), plain)
+
+
+def test_finished_rows_have_finite_transition_scores():
+    """A row that stops at EOS before the others: its later positions score the pad token as certain,
+    so compute_transition_scores has no NaN (all -inf rows gave NaN after normalisation)."""
+    target = tiny_model("llama", seed=5, eos=26)
+    ids, mask = torch.tensor([[0, 1, 5, 2], [1, 5, 2, 9]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    kwargs = dict(attention_mask=mask, max_new_tokens=15, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  pad_token_id=0)
+    out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, noise=0.3),
+                          **kwargs)
+    plain = target.generate(ids, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.sequences[0, 4].item() == 26 and (out.sequences[0, 5:] == 0).all()  # row 0 ends at once
+    scores = target.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
+    assert torch.isfinite(scores).all() and (scores[0, 1:] == 0).all()
+    assert out.cache is None  # a batch's cache is in this loop's layout
 
 
 def test_draft_candidate_generator_follows_the_contract_and_is_a_drafter():

@@ -15,4 +15,11 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
         kwargs.setdefault("assistant", assistant_model)
     if streamer is not None:
         kwargs.setdefault("spec_streamer", streamer)
+    if kwargs.get("stop_strings") is not None:  # transformers drops `tokenizer` on the way to a callable
+        from transformers import StoppingCriteriaList, StopStringCriteria
+
+        if kwargs.get("tokenizer") is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate()")
+        stop = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
     return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)

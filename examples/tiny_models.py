@@ -17,15 +17,25 @@ import hf_specdec
 
 
 def tiny_pair(seed: int = 0):
-    """A target and a perturbed copy as draft: random weights, so the text is noise, the mechanics are real."""
+    """An 8-layer random target and its first layer as the draft: random weights, so the text is noise,
+    the mechanics are real. The target's later layers write small updates into the residual stream (as a
+    trained model's deeper layers often do), so the one-layer draft agrees with it often; with seven more
+    full-size random layers it would agree with it about never, and nothing would be drafted."""
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=1024, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=4, initializer_range=0.2)
     target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for layer in target.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(LATER_LAYER_SCALE)
+            layer.mlp.down_proj.weight.mul_(LATER_LAYER_SCALE)
     draft_config = LlamaConfig(**{**config.to_dict(), "num_hidden_layers": 1})
     draft = LlamaForCausalLM(draft_config).eval()
     draft.load_state_dict(target.state_dict(), strict=False)  # shares embeddings, head and first layer
     return target, draft
+
+
+LATER_LAYER_SCALE = 0.02  # the size of the later layers' updates, relative to a random layer's
 
 
 def main(max_new_tokens: int, num_draft_tokens: int, sample: bool) -> None:

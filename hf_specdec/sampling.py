@@ -209,10 +209,11 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
 class Pipeline(LogitsProcessorList):
     """transformers' `LogitsProcessorList`, reading each processor's call signature once instead of
     at every call. `LogitsProcessorList.__call__` runs `inspect.signature` on every processor every
-    time (about 0.1 ms each on this CPU); a round calls the pipeline at every drafted position for
-    both models, which came to about 2 ms a round outside the forwards for a four-processor
-    pipeline. Same processors, same order, same error for a processor whose extra arguments are
-    missing."""
+    time (about 0.1 ms each on a 2-core CPU), and a round calls the pipeline at several positions for
+    both models: on the test suite's tiny models with four processors that was 1.0 s of a 7.2 s
+    profile of 200 calls. Against the 30-odd ms a sampled round spends outside the forwards with a
+    152k vocabulary (`evals/overhead.py`) it is within noise. Same processors, same order, same
+    error for a processor whose extra arguments are missing."""
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
         for processor in self:

@@ -67,29 +67,33 @@ def generate_command(args: argparse.Namespace) -> None:
         torch.manual_seed(rep)
         start = time.perf_counter()
         plain_out = target.generate(**inputs, **common, return_dict_in_generate=True, output_scores=True)
-        plain = plain_out.sequences
         plain_times.append(time.perf_counter() - start)
         torch.manual_seed(rep)
         start = time.perf_counter()
         out = target.generate(**inputs, **common, **spec, return_dict_in_generate=True)
         spec_times.append(time.perf_counter() - start)
 
-    prompt_len = inputs["input_ids"].shape[1]
-    print("\n" + tokenizer.decode(out.sequences[0, prompt_len:], skip_special_tokens=True) + "\n")
+    print("\n" + tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True) + "\n")
+    _report(out, plain_out, inputs["input_ids"].shape[1], plain_times, spec_times, greedy=not common["do_sample"])
+
+
+def _report(out, plain_out, prompt_len: int, plain_times: list[float], spec_times: list[float], greedy: bool) -> None:
+    """The figures under the text: times, speedup, acceptance, the cost model, greedy identity."""
+    plain = plain_out.sequences
     stats = out.acceptance
     new_tokens = out.sequences.shape[1] - prompt_len
     plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
     print(f"tokens generated:        {new_tokens}")
     print(f"plain decoding:          {plain_s:.2f} s   ({(plain.shape[1] - prompt_len) / plain_s:.1f} tokens/s)")
     print(f"hf_specdec:              {spec_s:.2f} s   ({new_tokens / spec_s:.1f} tokens/s)")
-    print(f"speedup:                 {plain_s / spec_s:.2f}x (median of {args.repeats} interleaved pair(s))")
+    print(f"speedup:                 {plain_s / spec_s:.2f}x (median of {len(plain_times)} interleaved pair(s))")
     print(f"acceptance rate:         {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted} draft tokens)")
     print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds "
           f"({stats.ngram_rounds} from n-gram lookup, {stats.plain_rounds} plain steps)")
     print(f"acceptance by position:  {' '.join(f'{r:.2f}' for r in stats.per_position_rate)}")
     if out.cost_model is not None:
         print(f"cost model:              {out.cost_model.describe()}")
-    if not common["do_sample"]:
+    if greedy:
         identical = torch.equal(out.sequences, plain)
         print(f"identical to plain greedy: {identical}")
         if not identical:

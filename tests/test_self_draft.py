@@ -141,5 +141,6 @@ def test_cli_runs_with_a_self_draft(tmp_path, capsys):
     main(["generate", "hi", "--target", str(tmp_path), "--draft", "self:1", "--max-new-tokens", "12", "--threads", "1"])
     out = capsys.readouterr().out
     assert "identical to plain greedy: True" in out
+    assert "cost model:" in out and "a drafted token pays when accepted more often than c + d" in out
     with pytest.raises(SystemExit, match="self:L takes a number"):
         main(["generate", "hi", "--target", str(tmp_path), "--draft", "self:x"])

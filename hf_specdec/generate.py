@@ -700,24 +700,28 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
     logger.debug("speculative_generate: %d rounds, acceptance %.3f, %.2f tokens/round",
                  stats.rounds, stats.acceptance_rate, stats.mean_tokens_per_round)
     sequences = state.batch.sequences(_pad_token_id(state.generation_config))
+    cache = _settle_cache(state, sequences)  # also a user-passed cache, whatever is returned
     if not state.generation_config.return_dict_in_generate:
         return sequences
     scores, logits = state.outputs.stacked()
     return SpeculativeDecoderOnlyOutput(
-        sequences=sequences, scores=scores, logits=logits, cache=_reusable_cache(state, sequences),
+        sequences=sequences, scores=scores, logits=logits, cache=cache,
         acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.policy.estimates(),
     )
 
 
-def _reusable_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:
-    """The target's cache as plain generate() returns it, for a follow-up call (`cache=`): for a single
-    row, every token of `sequences` but the last (tokens accepted past a stop are cut). None for a
-    batch or a stream: their columns hold holes and padding in this loop's own layout, which a plain
-    call would misread."""
-    if state.requests is not None or sequences.shape[0] != 1:  # a single row never has holes
-        return None
-    rollback([state.cache], sequences.shape[1] - 1)
-    return state.cache if state.cache.get_seq_length() == sequences.shape[1] - 1 else None
+def _settle_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:
+    """Leaves the target's cache (the user's own, if one was passed) as plain generate() leaves it, for a
+    follow-up call with `cache=`, and returns it: for a single row, every token of `sequences` but the
+    last (tokens accepted past a stop are cut). A batch's or a stream's columns hold this loop's holes
+    and padding, which a plain call would misread: that cache is emptied (`Cache.reset`; a follow-up
+    call encodes its whole input) and None is returned."""
+    if state.requests is None and sequences.shape[0] == 1:  # a single row never has holes
+        rollback([state.cache], sequences.shape[1] - 1)
+        if state.cache.get_seq_length() == sequences.shape[1] - 1:
+            return state.cache
+    state.cache.reset()
+    return None
 
 
 def _draft_vocabulary(

@@ -211,12 +211,14 @@ class CostEstimates:
     measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
     first_acceptance: float  # running acceptance of the first draft token
     drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
-    pinned: bool  # c and d were given (draft_cost, verify_cost), not measured
+    draft_cost_pinned: bool  # c was given (draft_cost=), not measured
+    verify_cost_pinned: bool  # d was given (verify_cost=), not measured
 
     def describe(self) -> str:
         """One line for a person: the costs and whether a drafted token pays on this machine."""
-        source = "pinned" if self.pinned else "measured"
-        line = (f"draft step c = {self.draft_cost:.2f}, verify d = {self.verify_cost:.2f} a token ({source}): "
+        how = lambda pinned: "pinned" if pinned else "measured"  # noqa: E731
+        line = (f"draft step c = {self.draft_cost:.2f} ({how(self.draft_cost_pinned)}), verify d = "
+                f"{self.verify_cost:.2f} a token ({how(self.verify_cost_pinned)}): "
                 f"a drafted token pays when accepted more often than c + d = {self.draft_cost + self.verify_cost:.2f}"
                 f" (first-token acceptance {self.first_acceptance:.2f})")
         if self.verify_cost >= SLOW_VERIFY:
@@ -524,7 +526,7 @@ class DraftPolicy:
             draft_cost=self.cost, verify_cost=self.verify_cost, verify_knee_cost=self.knee_cost,
             measured_verify_cost=self.state.measured_verify_cost, first_acceptance=self.state.first_acceptance,
             drafting_pays=self.drafting_pays(),
-            pinned=self.settings.draft_cost is not None and self.settings.verify_cost is not None,
+            draft_cost_pinned=self.settings.draft_cost is not None, verify_cost_pinned=self.settings.verify_cost is not None,
         )
 
     def plan(

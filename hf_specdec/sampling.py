@@ -57,6 +57,7 @@ STATEFUL = tuple(
         "UnbatchedClassifierFreeGuidanceLogitsProcessor", "ClassifierFreeGuidanceLogitsProcessor",
         "WhisperTimeStampLogitsProcessor", "WhisperNoSpeechDetection", "AlternatingCodebooksLogitsProcessor",
         "DiaEOSDelayPatternLogitsProcessor", "DiaClassifierFreeGuidanceLogitsProcessor",
+        "SynthIDTextWatermarkLogitsProcessor",  # counts its calls and keeps a context history
     )
     if hasattr(lp, name)
 )

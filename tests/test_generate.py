@@ -312,6 +312,11 @@ def test_errors_name_the_problem():
     # What plain generate() would use and this loop cannot: refused, never silently dropped.
     with pytest.raises(ValueError, match="UnbatchedClassifierFreeGuidance.*guidance_scale"):
         spec(target, target, max_new_tokens=3, guidance_scale=3.0)
+    from transformers import SynthIDTextWatermarkingConfig
+
+    with pytest.raises(ValueError, match="SynthIDTextWatermarkLogitsProcessor keeps state"):
+        spec(target, target, max_new_tokens=3, do_sample=True,
+             watermarking_config=SynthIDTextWatermarkingConfig(keys=[654, 400, 836, 123, 340], ngram_len=3))
     gpt2 = tiny_model("gpt2", seed=14)
     with pytest.raises(ValueError, match="got token_type_ids"):
         spec(gpt2, gpt2, max_new_tokens=3, token_type_ids=torch.zeros_like(PROMPT))
@@ -327,8 +332,7 @@ def test_errors_name_the_problem():
 @pytest.mark.parametrize("tree", [False, True])
 def test_a_single_rows_cache_continues_like_plain_generates(tree):
     """out.cache holds every token of out.sequences but the last (as plain generate() returns it), so a
-    follow-up call with `cache=out.cache` continues plain greedy, plain or speculative, even when the
-    first call stopped inside a round (max_new_tokens cutting accepted tokens)."""
+    follow-up call with `cache=out.cache`, plain or speculative, continues plain greedy."""
     target = tiny_model("llama", seed=5)
     draft = perturbed(target, noise=0.2)
     prompt = torch.tensor([[1, 5, 2, 7, 1, 5, 2, 7, 1, 5]])
@@ -342,6 +346,47 @@ def test_a_single_rows_cache_continues_like_plain_generates(tree):
         assert torch.equal(more, plain)
     out = target.generate(prompt, max_new_tokens=9, return_dict_in_generate=True, **levers)
     assert torch.equal(target.generate(out.sequences, cache=out.cache, do_sample=False, max_new_tokens=21), plain)
+
+
+@pytest.mark.parametrize("return_dict", [True, False])
+def test_a_cache_is_cut_to_the_output_when_a_stop_falls_inside_a_round(return_dict):
+    """A perfect draft (the target itself) has all 5 drafts accepted in the first round and EOS is the
+    second of them: the cache has seen 5 drafted tokens, the output ends at EOS. The cache, returned or
+    the user's own `cache=`, is cut to the output, so the next call continues from the output."""
+    from transformers import DynamicCache
+
+    target = tiny_model("llama", seed=5)
+    free = target.generate(PROMPT, do_sample=False, max_new_tokens=8)
+    eos = free[0, PROMPT.shape[1] + 1].item()
+    assert eos not in free[0, PROMPT.shape[1] : PROMPT.shape[1] + 1].tolist()
+    mine = DynamicCache(config=target.config)
+    out = target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, assistant=target, do_sample=False,
+                          max_new_tokens=20, eos_token_id=eos, num_draft_tokens=5, adaptive=False, ngram=False,
+                          cache=mine, return_dict_in_generate=return_dict)
+    sequences = out.sequences if return_dict else out
+    assert sequences.shape[1] == PROMPT.shape[1] + 2 and sequences[0, -1].item() == eos  # stopped 3 drafts early
+    assert mine.get_seq_length() == sequences.shape[1] - 1
+    if return_dict:
+        assert out.cache is mine and out.acceptance.accepted == 5
+    more = target.generate(sequences, cache=mine, do_sample=False, max_new_tokens=6, eos_token_id=None)
+    assert torch.equal(more, target.generate(sequences, do_sample=False, max_new_tokens=6, eos_token_id=None))
+
+
+def test_a_batchs_cache_is_emptied_not_left_in_the_loops_layout():
+    """A batch's cache holds this loop's holes and padding: out.cache is None, and a cache the user
+    passed is emptied, so a follow-up call with it encodes its whole input (and matches plain)."""
+    from transformers import DynamicCache
+
+    target = tiny_model("llama", seed=5)
+    ids, mask = torch.tensor([[0, 1, 5, 2], [1, 5, 2, 9]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    mine = DynamicCache(config=target.config)
+    out = target.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate,
+                          assistant=perturbed(target, noise=0.3), do_sample=False, max_new_tokens=10, pad_token_id=0,
+                          cache=mine, return_dict_in_generate=True)
+    assert out.cache is None and mine.get_seq_length() == 0
+    follow = dict(attention_mask=torch.cat([mask, torch.ones(2, 10, dtype=torch.long)], 1), do_sample=False,
+                  max_new_tokens=4, pad_token_id=0)
+    assert torch.equal(target.generate(out.sequences, cache=mine, **follow), target.generate(out.sequences, **follow))
 
 
 def test_finished_rows_have_finite_transition_scores():
@@ -358,7 +403,6 @@ def test_finished_rows_have_finite_transition_scores():
     assert out.sequences[0, 4].item() == 26 and (out.sequences[0, 5:] == 0).all()  # row 0 ends at once
     scores = target.compute_transition_scores(out.sequences, out.scores, normalize_logits=True)
     assert torch.isfinite(scores).all() and (scores[0, 1:] == 0).all()
-    assert out.cache is None  # a batch's cache is in this loop's layout
 
 
 def test_draft_candidate_generator_follows_the_contract_and_is_a_drafter():

@@ -214,7 +214,9 @@ def test_verify_cost_is_measured_from_the_prompt_and_one_step_before_anything_is
     assert not DraftPolicy(PolicySettings(verify_cost=0.05)).measuring_costs  # pinned: nothing to measure
     # What the output and the CLI report: the slow machine is named as one where little can pay.
     told = slow.estimates()
-    assert told.measured_verify_cost == pytest.approx(0.975) and not told.drafting_pays and not told.pinned
+    assert told.measured_verify_cost == pytest.approx(0.975) and not told.drafting_pays
+    assert told.draft_cost_pinned and not told.verify_cost_pinned  # c = 0.3 given, d measured
+    assert "c = 0.30 (pinned), verify d = " in told.describe() and " a token (measured)" in told.describe()
     assert "little can pay" in told.describe() and "little can pay" not in fast.estimates().describe()
     assert fast.estimates().drafting_pays
 
@@ -230,12 +232,14 @@ def test_the_first_two_rounds_of_an_unpinned_call_are_plain_steps():
     again = []  # a second call on the same model: d0 is remembered, nothing is measured first
     spec(target, draft, max_new_tokens=30, acceptance_sink=again.append)
     assert again[0].source != NONE
-    assert out.cost_model.measured_verify_cost is not None and not out.cost_model.pinned
+    told = out.cost_model
+    assert told.measured_verify_cost is not None and not told.draft_cost_pinned and not told.verify_cost_pinned
     pinned = []
     told = spec(tiny_model("llama", seed=6), draft, max_new_tokens=30, draft_cost=0.05, verify_cost=0.02,
                 acceptance_sink=pinned.append).cost_model
     assert pinned[0].source != NONE  # pinned costs: nothing is measured first
-    assert (told.draft_cost, told.verify_cost, told.pinned, told.measured_verify_cost) == (0.05, 0.02, True, None)
+    assert (told.draft_cost, told.verify_cost, told.measured_verify_cost) == (0.05, 0.02, None)
+    assert told.draft_cost_pinned and told.verify_cost_pinned
 
 
 def test_draft_cost_is_a_ratio_that_leaves_out_catch_up_and_holds_when_rows_leave():

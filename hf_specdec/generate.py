@@ -776,7 +776,8 @@ class _Outputs:
         # A finished row "emits" padding: a point mass on the pad token (0 there, -inf elsewhere), so that
         # compute_transition_scores gives it log-probability 0, as padding (all -inf would give NaN).
         filler = torch.full_like(template, -float("inf"))
-        filler[self.pad_token_id] = 0.0
+        if 0 <= self.pad_token_id < filler.shape[-1]:  # a pad id outside the vocabulary: all -inf, as before
+            filler[self.pad_token_id] = 0.0
         longest = max(len(row) for row in per_row)
         return tuple(
             torch.stack([row[t] if t < len(row) else filler for row in per_row]) for t in range(longest)

@@ -101,31 +101,26 @@ def test_directory_form_with_standard_argument_names():
     assert torch.equal(out.sequences, plain) and out.acceptance.rounds > 0
 
 
-def word_tokenizer(vocab: int = 64):
-    """A tokenizer built offline: token i is the word "w{i}" (plus "abcdef", which transformers'
-    stop-string criterion uses to clean token strings)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    words = {f"w{i}": i for i in range(vocab - 1)}
-    words["abcdef"] = vocab - 1
-    tokenizer = Tokenizer(models.WordLevel(words, unk_token="w0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0", pad_token="w0")
-
-
 def test_stop_strings_in_the_directory_form():
     """transformers drops `tokenizer` on its way to a callable custom_generate; the directory form
-    builds the stop-string criterion itself and stops where plain generate() stops."""
-    target = tiny_model("llama", seed=8)
-    draft = perturbed(target, noise=0.5)
-    tokenizer = word_tokenizer()
-    free = target.generate(PROMPT, do_sample=False, max_new_tokens=20)
-    stop = f"w{free[0, PROMPT.shape[1] + 6].item()}"
-    plain = target.generate(PROMPT, do_sample=False, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer)
+    builds the stop-string criterion itself and stops where plain generate() stops (the eval's
+    offline character tokenizer, `evals/tiny.py`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from tiny import tiny_pair
+
+    target, draft, tokenizer = tiny_pair()
+    prompt = tokenizer("hello there", return_tensors="pt").input_ids
+    free = target.generate(prompt, do_sample=False, max_new_tokens=20, eos_token_id=None)
+    stop = tokenizer.decode(free[0, prompt.shape[1] + 6])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=20, eos_token_id=None, stop_strings=[stop],
+                            tokenizer=tokenizer)
     assert plain.shape[1] < free.shape[1]  # the stop string does stop it
-    out = target.generate(PROMPT, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft,
-                          do_sample=False, max_new_tokens=20, stop_strings=[stop], tokenizer=tokenizer)
+    out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                          assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                          stop_strings=[stop], tokenizer=tokenizer)
     assert torch.equal(out, plain)
 
 

@@ -94,17 +94,29 @@ def load_prompts(tokenizer, categories, per_category: int | None, split: str = "
     return prompts
 
 
-def load_pair(target_name: str, draft_name: str, device, device_map=None):
-    """(target, draft, tokenizer): the named pair, or the tiny offline pair of `tiny.py` for "tiny"."""
+def load_pair(target_name: str, draft_name: str, device, device_map=None, pack_target: bool = False):
+    """(target, draft, tokenizer): the named pair, or the tiny offline pair of `tiny.py` for "tiny".
+    pack_target: the target in float32 with oneDNN-packed linears (`hf_specdec.pack_linears`), for
+    every method alike: on CPUs without bf16 instructions, where a bf16 forward over k tokens costs
+    nearly k steps."""
     if target_name == "tiny" or draft_name == "tiny":
         from tiny import tiny_pair
 
         target, draft, tokenizer = tiny_pair()
-        return target.to(device), draft.to(device), tokenizer
-    target, tokenizer = load_model(target_name, device=device, device_map=device_map)
-    draft, draft_tokenizer = load_model(draft_name, device=target.device)
-    check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+        target, draft = target.to(device), draft.to(device)
+    else:
+        target, tokenizer = load_model(target_name, device=device, device_map=device_map)
+        draft, draft_tokenizer = load_model(draft_name, device=target.device)
+        check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+    if pack_target:
+        from hf_specdec.cpu import pack_linears
+
+        pack_linears(target)
     return target, draft, tokenizer
+
+
+PACK_TARGET_HELP = ("the target in float32 with oneDNN-packed linears (hf_specdec.pack_linears) for every method: "
+                    "on CPUs without bf16 instructions a bf16 forward over k tokens costs nearly k steps")
 
 
 def drafts_by_precision(draft, bits: int) -> dict:

@@ -10,6 +10,7 @@
 from pathlib import Path
 
 from .config import SpeculativeConfig
+from .cpu import PackedLinear, pack_linears
 from .continuous import StreamResult, generate_continuous
 from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
 from .policy import CostEstimates, DraftPolicy, PolicySettings, PolicyState
@@ -48,6 +49,7 @@ __all__ = [
     "Drafter",
     "NgramCandidateGenerator",
     "NgramDrafter",
+    "PackedLinear",
     "PolicySettings",
     "PolicyState",
     "Proposal",
@@ -60,6 +62,7 @@ __all__ = [
     "generate_continuous",
     "greedy_verification",
     "lazy_speculative_sampling",
+    "pack_linears",
     "quantize_weights",
     "speculative_generate",
     "speculative_sampling",

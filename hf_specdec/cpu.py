@@ -1,0 +1,126 @@
+"""Float32 linears packed for oneDNN: a forward over several tokens for little more than one, on CPUs
+without bf16 instructions.
+
+Speculative decoding pays where the target's forward over k tokens costs little more than over one
+(the weights are read from memory once either way). On an x86 CPU without AVX-512 BF16 or AMX, torch
+computes a bf16 Linear over several tokens at nearly k times the one-token price, and a float32 Linear
+through MKL not much better: measured on a 2-core AVX2 AMD EPYC, the 1.5B target's forward over 9 new
+tokens costs 7.0 one-token steps in bf16 and 3.1 in float32, so no draft can pay there (the cost model
+falls back to plain decoding). oneDNN's float32 GEMM on a weight reordered once into its blocked layout
+costs 1.0 step over 3 tokens and 1.9 over 9, and its one-token step (265 ms) is close to bf16's (206 ms).
+
+`pack_linears(model)` casts the model to float32 and swaps every `torch.nn.Linear` (exact type) for a
+`PackedLinear` holding that reordered weight, computed with torch's own oneDNN CPU ops
+(`torch.ops.mkldnn._reorder_linear_weight` once, `torch.ops.mkldnn._linear_pointwise` per call: what
+torch.compile's CPU backend uses for frozen linears). Nothing in transformers is patched.
+
+    target = hf_specdec.pack_linears(target)        # before generating, plain or speculative
+    target.generate(**inputs, custom_generate=hf_specdec.speculative_generate, assistant=draft)
+
+Exactness is untouched: the packed model *is* the target that decoding samples from, and plain and
+speculative decoding on it agree (greedy token for token, up to float32 ties where a forward over several
+tokens rounds differently from one over a single token). Its logits are the float32 model's to float32
+rounding; against the bf16 model they differ as float32 differs from bf16 (a greedy text may part
+where bf16 rounded a near tie). Compare methods on the same packed target. The draft need not be
+packed: it runs one token a forward, where bf16 or int8 (`quantize_weights`) is cheaper.
+
+Memory: float32 weights, twice bf16's (6.2 GB for the 1.5B target). A tied output head gets its own
+packed copy (the embedding keeps its float32 weight; `config.tie_word_embeddings` is set to False).
+CPU only: the packed layout is this CPU's; pack after loading, do not save a packed model.
+`PackedLinear.weight` is a shape-only meta tensor, so code that reads a head's `weight.shape` works.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from torch import nn
+
+from .quantize import _tied_head, _untie_config
+
+logger = logging.getLogger(__name__)
+
+
+@functools.cache
+def packing_problem() -> str | None:
+    """None if this torch build can pack and run float32 linears with oneDNN on this CPU, else why not."""
+    ops = getattr(torch.ops, "mkldnn", None)
+    if not torch.backends.mkldnn.is_available() or ops is None:
+        return f"this torch build ({torch.__version__}) has no oneDNN (mkldnn) CPU backend"
+    missing = [name for name in ("_reorder_linear_weight", "_linear_pointwise") if not hasattr(ops, name)]
+    if missing:
+        return f"packed linears need torch.ops.mkldnn.{' and '.join(missing)}, not in this torch build ({torch.__version__})"
+    try:
+        weight = torch.randn(16, 32)
+        x = torch.randn(3, 32)
+        y = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, None), None, "none", [], "")
+        if not torch.allclose(y, x @ weight.T, atol=1e-4, rtol=1e-4):
+            return "oneDNN's packed float32 linear disagrees with torch's on this CPU"
+    except (RuntimeError, NotImplementedError) as error:
+        return f"oneDNN's packed float32 linear fails on this CPU: {error}"
+    return None
+
+
+class PackedLinear(nn.Module):
+    """A float32 Linear whose weight is held in oneDNN's blocked layout (see the module docstring)."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        weight = linear.weight.detach().to(torch.float32)
+        # Not a buffer: an opaque oneDNN tensor has no storage for state_dict, `.to()` or copying.
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
+        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)
+        self.register_buffer("bias", bias)
+        self.weight = torch.empty(self.out_features, self.in_features, device="meta")  # shape only
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu":
+            raise RuntimeError(f"a PackedLinear computes on the CPU (its weight is oneDNN's CPU layout); got input on {x.device}")
+        shape = x.shape
+        flat = x.reshape(-1, self.in_features).to(torch.float32)
+        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def __deepcopy__(self, memo: dict) -> "PackedLinear":
+        """A copy that shares the packed weight (it is never written) and copies the rest."""
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = self.in_features, self.out_features
+        new.packed, new.weight = self.packed, self.weight
+        new.register_buffer("bias", None if self.bias is None else self.bias.clone())
+        return new
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, float32 oneDNN-packed"
+
+
+@torch.no_grad()
+def pack_linears(model: nn.Module) -> nn.Module:
+    """Cast `model` to float32 and replace, in place, every `torch.nn.Linear` by a `PackedLinear`;
+    return `model`. Raises ValueError where torch cannot pack here (no oneDNN, ops missing), for a model
+    off the CPU, and for a model sharing its weights with another (`early_exit_draft`)."""
+    problem = packing_problem()
+    if problem:
+        raise ValueError(problem)
+    devices = {p.device.type for p in model.parameters()}
+    if devices - {"cpu"}:
+        raise ValueError(f"pack_linears is for models on the CPU; this one has weights on {sorted(devices)}")
+    if getattr(model, "shares_weights_with", None) is not None:
+        raise ValueError(
+            "this model shares its weights with another (a self-speculative draft from "
+            "hf_specdec.early_exit_draft): packing it in place would change that model's layers too"
+        )
+    head_name, _ = _tied_head(model)
+    model.to(torch.float32)
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear]
+    for name, module in linears:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, PackedLinear(module))
+    if head_name is not None and any(name == head_name for name, _ in linears):
+        _untie_config(model)  # the head has its own packed copy now; a later tie_weights() must not re-tie
+    logger.info("packed %d Linear layers as float32 for oneDNN", len(linears))
+    return model

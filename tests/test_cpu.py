@@ -1,0 +1,98 @@
+"""Float32 linears packed for oneDNN (hf_specdec.cpu) on tiny models built from configs.
+
+Tolerance: the packed model against the same model cast to float32, logits relative error measured
+0 on these shapes (float32 GEMMs that block differently could round differently); bound 1e-5. A
+wrongly packed weight fails it: each weight's rows rolled by one (another output's weights) gave 1.39,
+checked by hand once.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from conftest import perturbed, tiny_model
+from torch import nn
+
+import hf_specdec
+from hf_specdec import cpu
+from hf_specdec.cpu import PackedLinear, pack_linears
+
+IDS = torch.randint(2, 64, (2, 24), generator=torch.Generator().manual_seed(1))
+
+pytestmark = pytest.mark.skipif(cpu.packing_problem() is not None, reason=f"{cpu.packing_problem()}")
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_linear_is_packed_and_logits_are_the_float32_models(arch):
+    base = tiny_model(arch).to(torch.bfloat16)
+    reference = copy.deepcopy(base).float()
+    model = pack_linears(base)
+    assert model is base and model.dtype == torch.float32
+    assert not [m for m in model.modules() if type(m) is nn.Linear]
+    assert isinstance(model.lm_head, PackedLinear)
+    assert model.get_output_embeddings().weight.shape == (64, 32)  # the vocabulary size stays readable
+    with torch.no_grad():
+        ref, out = reference(IDS).logits, model(IDS).logits
+    assert out.dtype == torch.float32
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_a_tied_head_gets_its_own_packed_copy():
+    model = tiny_model("qwen2")
+    model.config.tie_word_embeddings = True
+    model.tie_weights()
+    embedding = model.get_input_embeddings().weight.detach().clone()
+    with torch.no_grad():
+        ref = model(IDS).logits
+    pack_linears(model)
+    assert isinstance(model.lm_head, PackedLinear) and not model.config.tie_word_embeddings
+    assert torch.equal(model.get_input_embeddings().weight, embedding)
+    with torch.no_grad():
+        assert rel_err(model(IDS).logits, ref) < 1e-5
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_speculative_decoding_on_a_packed_target_equals_its_plain_greedy(arch):
+    target = tiny_model(arch, seed=3)
+    draft = perturbed(target, 0.3)
+    pack_linears(target)
+    prompt = torch.tensor([[1, 5, 2, 7, 9, 4]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    for trees in (True, False):
+        out = target.generate(
+            prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+            max_new_tokens=40, tree=trees, return_dict_in_generate=True,
+        )
+        assert torch.equal(out.sequences, plain), trees
+        assert out.acceptance.drafted > 0 and out.acceptance.accepted > 0  # the draft ran and was verified
+
+
+def test_a_packed_model_can_be_copied():
+    model = pack_linears(tiny_model("llama"))
+    twin = copy.deepcopy(model)
+    assert twin.lm_head.packed is model.lm_head.packed  # shared, never written
+    with torch.no_grad():
+        assert torch.equal(twin(IDS).logits, model(IDS).logits)
+
+
+def test_bad_models_are_refused_with_the_reason(monkeypatch):
+    with pytest.raises(ValueError, match="for models on the CPU; this one has weights on \\['meta'\\]"):
+        pack_linears(tiny_model("llama").to("meta"))
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="shares its weights with another"):
+        pack_linears(hf_specdec.early_exit_draft(target, 1))
+    cpu.packing_problem.cache_clear()
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    try:
+        with pytest.raises(ValueError, match="has no oneDNN"):
+            pack_linears(tiny_model("llama"))
+    finally:
+        monkeypatch.undo()
+        cpu.packing_problem.cache_clear()
+    assert type(target.lm_head) is nn.Linear  # nothing was changed by the refusals

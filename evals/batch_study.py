@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
-from common import PACK_TARGET_HELP, drafts_by_precision, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import PACK_HELP, drafts_by_precision, load_pair, load_prompts, speedup_over_plain  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
 BATCH_CATEGORIES = ("mt_bench", "translation", "qa", "math_reasoning", "humaneval")  # short prompts
@@ -226,8 +226,8 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack_target=args.pack_target)
-    draft = drafts_by_precision(draft, args.draft_bits)["hf"]
+    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack)
+    draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
     out = Path(args.out)
@@ -235,10 +235,10 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
                   torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size,
-                  draft_vocab_size=args.draft_vocab_size, pack_target=args.pack_target)
+                  draft_vocab_size=args.draft_vocab_size, pack=args.pack)
     title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
-    if args.pack_target:
-        title += ", float32 oneDNN-packed target"
+    if args.pack:
+        title += "; float32 oneDNN-packed target and draft"
 
     def write(rows, done: bool = False) -> None:  # after every cell: a run stopped early keeps what it measured
         (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows, complete=done), indent=2))
@@ -266,7 +266,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "16 gives batch 8 two batches, whose spread shows the cell's noise")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
-    parser.add_argument("--pack-target", action="store_true", help=PACK_TARGET_HELP)
+    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                         help="weight-only quantization of hf_specdec's draft (16: none)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",

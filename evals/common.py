@@ -94,11 +94,11 @@ def load_prompts(tokenizer, categories, per_category: int | None, split: str = "
     return prompts
 
 
-def load_pair(target_name: str, draft_name: str, device, device_map=None, pack_target: bool = False):
+def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: bool = False):
     """(target, draft, tokenizer): the named pair, or the tiny offline pair of `tiny.py` for "tiny".
-    pack_target: the target in float32 with oneDNN-packed linears (`hf_specdec.pack_linears`), for
-    every method alike: on CPUs without bf16 instructions, where a bf16 forward over k tokens costs
-    nearly k steps."""
+    pack: both models in float32 with oneDNN-packed linears (`hf_specdec.pack_linears`), for every
+    method alike: on CPUs without bf16 instructions, where a bf16 forward over k tokens costs nearly k
+    steps (the draft too: its prompt encoding and catch-ups are forwards over many tokens)."""
     if target_name == "tiny" or draft_name == "tiny":
         from tiny import tiny_pair
 
@@ -108,15 +108,16 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack_t
         target, tokenizer = load_model(target_name, device=device, device_map=device_map)
         draft, draft_tokenizer = load_model(draft_name, device=target.device)
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
-    if pack_target:
+    if pack:
         from hf_specdec.cpu import pack_linears
 
         pack_linears(target)
+        pack_linears(draft)
     return target, draft, tokenizer
 
 
-PACK_TARGET_HELP = ("the target in float32 with oneDNN-packed linears (hf_specdec.pack_linears) for every method: "
-                    "on CPUs without bf16 instructions a bf16 forward over k tokens costs nearly k steps")
+PACK_HELP = ("both models in float32 with oneDNN-packed linears (hf_specdec.pack_linears) for every method: on CPUs "
+             "without bf16 instructions a bf16 forward over k tokens costs nearly k steps (--draft-bits is then ignored)")
 
 
 def drafts_by_precision(draft, bits: int) -> dict:

@@ -30,7 +30,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, PACK_TARGET_HELP,
+    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, PACK_HELP,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts,
 )
 from costs import CostTable, measure  # noqa: E402
@@ -103,7 +103,7 @@ class EvalConfig:
     split: str = "report"  # prompts of the report split (odd ids), "tuning" (even ids) or "all"
     cost_table: Path | None = None  # a saved cost table to price work with (None: measure one at the start)
     second_draft: str | None = None  # another draft for the hf_second_draft method (registry name or folder)
-    pack_target: bool = False  # every method on the float32 oneDNN-packed target (hf_specdec.pack_linears)
+    pack: bool = False  # every method on the float32 oneDNN-packed pair (hf_specdec.pack_linears)
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -116,7 +116,7 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
         threads=args.threads, draft_bits=args.draft_bits, split=args.split,
         cost_table=Path(args.cost_table) if args.cost_table else None, second_draft=args.second_draft,
-        pack_target=args.pack_target,
+        pack=args.pack,
     )
 
 
@@ -579,8 +579,8 @@ def main(config: EvalConfig) -> dict | None:
     if config.threads:
         torch.set_num_threads(config.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack_target)
-    drafts = drafts_by_precision(draft, config.draft_bits)
+    target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack)
+    drafts = drafts_by_precision(draft, 16 if config.pack else config.draft_bits)
     if config.second_draft is not None:
         second, _ = load_second_draft(config.second_draft, target, tokenizer)
         drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
@@ -675,7 +675,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ablation", action="store_true", help=f"also run hf_specdec with levers off: {', '.join(ABLATIONS)}")
     parser.add_argument("--prompts-per-category", type=int, default=None, help="override the preset")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
-    parser.add_argument("--pack-target", action="store_true", help=PACK_TARGET_HELP)
+    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
     parser.add_argument("--from-records", default=None, help="only rebuild summary and plots from a records.jsonl")

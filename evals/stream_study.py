@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from batch_study import BATCH_CATEGORIES, batch_prompts, divergences, left_pad, length_distribution  # noqa: E402
-from common import PACK_TARGET_HELP, drafts_by_precision, load_pair  # noqa: E402
+from common import PACK_HELP, drafts_by_precision, load_pair  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
 
@@ -141,8 +141,8 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack_target=args.pack_target)
-    draft = drafts_by_precision(draft, args.draft_bits)["hf"]
+    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack)
+    draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     chosen = batch_prompts(tokenizer, args.categories, args.prompts)
@@ -222,7 +222,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--min-new-tokens", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="seed of the budgets")
-    parser.add_argument("--pack-target", action="store_true", help=PACK_TARGET_HELP)
+    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--skip-static-spec", action="store_true", help="leave out hf_specdec on static batches")

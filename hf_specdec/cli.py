@@ -37,10 +37,9 @@ def generate_command(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     print(f"loading target {args.target} and draft {args.draft} (the first run downloads ~1.6 GB and converts)")
     target, tokenizer = load_model(args.target, device=args.device)
-    if args.pack_target:  # float32, oneDNN-packed: cheap multi-token forwards on CPUs without bf16 instructions
-        from .cpu import pack_linears
-
-        pack_linears(target)
+    as_loaded = _pack_target(target, args.pack)  # the target as loaded, if the one decoding uses is packed
+    if as_loaded is not None:
+        target, as_loaded = as_loaded, target
     if args.draft.startswith("self:"):  # self-speculation: the target's first L layers (shared weights)
         from .self_draft import early_exit_draft
 
@@ -54,6 +53,13 @@ def generate_command(args: argparse.Namespace) -> None:
     else:
         draft, draft_tokenizer = load_model(args.draft, device=args.device)
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+        if as_loaded is not None:  # its prompt encoding and catch-ups are forwards over many tokens too
+            from .cpu import pack_linears
+
+            pack_linears(draft)
+            if args.draft_bits != 16:
+                print(f"the draft is packed like the target, not quantized; --draft-bits {args.draft_bits} ignored")
+            args.draft_bits = 16
     if args.draft_bits != 16:
         from .quantize import quantize_weights
 
@@ -63,10 +69,12 @@ def generate_command(args: argparse.Namespace) -> None:
     spec = dict(custom_generate=speculative_generate, assistant=draft, num_draft_tokens=args.num_draft_tokens,
                 adaptive=not args.fixed, ngram=not args.fixed)
 
-    # Warm up both paths once, then time them interleaved (plain, speculative, plain, ...).
+    # Warm up every path once, then time them interleaved (plain, speculative, plain, ...).
     target.generate(**inputs, max_new_tokens=4, do_sample=False)
     target.generate(**inputs, max_new_tokens=4, do_sample=False, **spec)
-    plain_times, spec_times = [], []
+    if as_loaded is not None:
+        as_loaded.generate(**inputs, max_new_tokens=4, do_sample=False)
+    plain_times, spec_times, loaded_times = [], [], []
     for rep in range(args.repeats):
         torch.manual_seed(rep)
         start = time.perf_counter()
@@ -76,21 +84,52 @@ def generate_command(args: argparse.Namespace) -> None:
         start = time.perf_counter()
         out = target.generate(**inputs, **common, **spec, return_dict_in_generate=True)
         spec_times.append(time.perf_counter() - start)
+        if as_loaded is not None:  # plain decoding as the user would run it without packing
+            torch.manual_seed(rep)
+            start = time.perf_counter()
+            as_loaded.generate(**inputs, **common)
+            loaded_times.append(time.perf_counter() - start)
 
     print("\n" + tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True) + "\n")
-    _report(out, plain_out, inputs["input_ids"].shape[1], plain_times, spec_times, greedy=not common["do_sample"])
+    _report(out, plain_out, inputs["input_ids"].shape[1], plain_times, spec_times, greedy=not common["do_sample"],
+            loaded_times=loaded_times, loaded_dtype=None if as_loaded is None else str(as_loaded.dtype).removeprefix("torch."))
 
 
-def _report(out, plain_out, prompt_len: int, plain_times: list[float], spec_times: list[float], greedy: bool) -> None:
-    """The figures under the text: times, speedup, acceptance, the cost model, greedy identity."""
+def _pack_target(target, choice: str):
+    """The target packed for oneDNN (`hf_specdec.cpu`; the draft then is too), or None to decode with
+    `target` as loaded.
+    choice: "yes", "no", or "auto" (pack where a forward over 5 tokens costs 2.5 one-token steps or more)."""
+    if choice == "no":
+        return None
+    from .cpu import pack_linears, should_pack
+
+    if choice == "auto":
+        pack, why = should_pack(target)
+        print(f"target: {why}" + ("" if pack else "; not packed"))
+        if not pack:
+            return None
+    import copy
+
+    return pack_linears(copy.deepcopy(target))  # the copy: plain decoding as loaded is timed too
+
+
+def _report(out, plain_out, prompt_len: int, plain_times: list[float], spec_times: list[float], greedy: bool,
+            loaded_times: list[float] = (), loaded_dtype: str | None = None) -> None:
+    """The figures under the text: times, speedup, acceptance, the cost model, greedy identity.
+    loaded_times: plain decoding with the target as loaded, where the one timed is packed."""
     plain = plain_out.sequences
     stats = out.acceptance
     new_tokens = out.sequences.shape[1] - prompt_len
     plain_s, spec_s = statistics.median(plain_times), statistics.median(spec_times)
     print(f"tokens generated:        {new_tokens}")
-    print(f"plain decoding:          {plain_s:.2f} s   ({(plain.shape[1] - prompt_len) / plain_s:.1f} tokens/s)")
-    print(f"hf_specdec:              {spec_s:.2f} s   ({new_tokens / spec_s:.1f} tokens/s)")
+    packed = " (packed)" if loaded_times else ""
+    print(f"{'plain decoding' + packed + ':':25s}{plain_s:.2f} s   ({(plain.shape[1] - prompt_len) / plain_s:.1f} tokens/s)")
+    print(f"{'hf_specdec' + packed + ':':25s}{spec_s:.2f} s   ({new_tokens / spec_s:.1f} tokens/s)")
     print(f"speedup:                 {plain_s / spec_s:.2f}x (median of {len(plain_times)} interleaved pair(s))")
+    if loaded_times:
+        loaded_s = statistics.median(loaded_times)
+        print(f"plain, target as loaded: {loaded_s:.2f} s   ({loaded_dtype}, not packed)")
+        print(f"speedup over it:         {loaded_s / spec_s:.2f}x")
     print(f"acceptance rate:         {stats.acceptance_rate:.2f} ({stats.accepted}/{stats.drafted} draft tokens)")
     print(f"tokens per target pass:  {stats.mean_tokens_per_round:.2f} over {stats.rounds} rounds "
           f"({stats.ngram_rounds} from n-gram lookup, {stats.plain_rounds} plain steps)")
@@ -125,10 +164,12 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--num-draft-tokens", type=int, default=None, help="most draft tokens per round (default 8)")
     gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                      help="weight-only quantization of the draft (16: none); default int8")
-    gen.add_argument("--pack-target", action="store_true",
-                     help="run the target in float32 with oneDNN-packed linears (hf_specdec.pack_linears): on CPUs "
-                          "without bf16 instructions this makes a forward over several tokens cost little more than one; "
-                          "plain decoding is timed on the same packed target")
+    gen.add_argument("--pack", choices=("auto", "yes", "no"), default="auto",
+                     help="run both models in float32 with oneDNN-packed linears (hf_specdec.pack_linears): on CPUs "
+                          "without bf16 instructions this makes a forward over several tokens cost little more than one. "
+                          "auto (default): pack where the target on the CPU takes 2.5 steps or more for a forward over 5 "
+                          "tokens (timed at the start). When packed, the draft is not quantized, and plain decoding is "
+                          "timed on both the packed target and the target as loaded")
     gen.add_argument("--fixed", action="store_true", help="fixed draft length, draft-model proposals only")
     gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
     gen.add_argument("--top-p", type=float, default=0.95)

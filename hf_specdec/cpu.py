@@ -53,8 +53,8 @@ def packing_problem() -> str | None:
     if missing:
         return f"packed linears need torch.ops.mkldnn.{' and '.join(missing)}, not in this torch build ({torch.__version__})"
     try:
-        weight = torch.randn(16, 32)
-        x = torch.randn(3, 32)
+        gen = torch.Generator().manual_seed(0)  # not the global generator: a user's seeded sampling is theirs
+        weight, x = torch.randn(16, 32, generator=gen), torch.randn(3, 32, generator=gen)
         y = ops._linear_pointwise(x, ops._reorder_linear_weight(weight, None), None, "none", [], "")
         if not torch.allclose(y, x @ weight.T, atol=1e-4, rtol=1e-4):
             return "oneDNN's packed float32 linear disagrees with torch's on this CPU"
@@ -124,3 +124,53 @@ def pack_linears(model: nn.Module) -> nn.Module:
         _untie_config(model)  # the head has its own packed copy now; a later tie_weights() must not re-tie
     logger.info("packed %d Linear layers as float32 for oneDNN", len(linears))
     return model
+
+
+@torch.no_grad()
+def multi_token_cost(model: nn.Module, width: int = 5, context: int = 8, repeats: int = 2) -> float:
+    """What a forward over `width` new tokens costs, in one-token steps, after `context` cached tokens
+    (median of `repeats` each): about 1 where forwards are bound by reading the weights (speculation
+    pays), about `width` where the CPU computes every token at a step's price (it cannot)."""
+    import time
+
+    from .cache import new_cache, rollback
+
+    vocab = model.get_output_embeddings().weight.shape[0]
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, vocab, (1, n), generator=gen).to(device)  # noqa: E731
+    cache = new_cache(model)
+    model(input_ids=tokens(context), cache=cache, use_cache=True, logits_to_keep=1)
+    times: dict[int, list[float]] = {1: [], width: []}
+    for _ in range(repeats):
+        for n in (1, width):
+            ids = tokens(n)
+            start = time.perf_counter()
+            model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=n)
+            times[n].append(time.perf_counter() - start)
+            rollback([cache], context)
+    median = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+    return median(times[width]) / max(median(times[1]), 1e-9)
+
+
+# `should_pack`: a forward over 5 tokens at or above this many one-token steps means the CPU computes
+# the tokens one by one (bf16 without bf16 instructions: 4.0 on the AVX2 EPYC; 1.2-1.5 where speculation pays).
+SLOW_WIDTH_COST = 2.5
+
+
+def should_pack(model: nn.Module) -> tuple[bool, str]:
+    """(pack?, why) for a model about to be used as a target: pack a CPU model whose forward over 5
+    tokens costs SLOW_WIDTH_COST steps or more, when packing works here. Times two small forwards."""
+    if any(p.device.type != "cpu" for p in model.parameters()):
+        return False, "the target is not on the CPU"
+    problem = packing_problem()
+    if problem:
+        return False, problem
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        return False, "the target is packed already"
+    cost = multi_token_cost(model)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    if cost < SLOW_WIDTH_COST:
+        return False, f"a forward over 5 tokens costs {cost:.1f} one-token steps here in {dtype}: cheap enough to verify drafts"
+    return True, (f"a forward over 5 tokens costs {cost:.1f} one-token steps here in {dtype}, so drafts cannot pay; "
+                  "the target runs in float32 with oneDNN-packed linears instead")

@@ -225,7 +225,7 @@ class CostEstimates:
             line += (f"; here one more token in a forward costs {self.verify_cost:.2f} of a step, so little can pay: "
                      "speculation needs a forward bound by reading the weights (a GPU, a CPU with bf16 "
                      "instructions such as AVX-512 BF16 or AMX for a bf16 model, or on other CPUs a float32 "
-                     "target packed for oneDNN: hf_specdec.pack_linears(target), --pack-target)")
+                     "target packed for oneDNN: hf_specdec.pack_linears, CLI --pack)")
         return line
 
 

@@ -96,3 +96,36 @@ def test_bad_models_are_refused_with_the_reason(monkeypatch):
         monkeypatch.undo()
         cpu.packing_problem.cache_clear()
     assert type(target.lm_head) is nn.Linear  # nothing was changed by the refusals
+
+
+def test_should_pack_follows_the_measured_cost_of_a_multi_token_forward(monkeypatch):
+    model = tiny_model("llama")
+    assert 0.2 < cpu.multi_token_cost(model) < 20  # a ratio of two timed forwards, in one-token steps
+    monkeypatch.setattr(cpu, "multi_token_cost", lambda m: 4.0)  # the AVX2 EPYC's bf16 figure
+    pack, why = cpu.should_pack(model)
+    assert pack and "costs 4.0 one-token steps" in why and "float32" in why
+    monkeypatch.setattr(cpu, "multi_token_cost", lambda m: 1.3)
+    pack, why = cpu.should_pack(model)
+    assert not pack and "cheap enough" in why
+    assert cpu.should_pack(pack_linears(model)) == (False, "the target is packed already")
+
+
+def test_cli_times_the_packed_target_and_the_target_as_loaded(tmp_path, capsys):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from tiny import tiny_pair
+
+    from hf_specdec.cli import main
+
+    target, draft, tokenizer = tiny_pair()
+    for folder, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(tmp_path / folder)
+        tokenizer.save_pretrained(tmp_path / folder)
+    main(["generate", "hi", "--target", str(tmp_path / "target"), "--draft", str(tmp_path / "draft"),
+          "--max-new-tokens", "12", "--threads", "1", "--pack", "yes"])
+    out = capsys.readouterr().out
+    assert "plain decoding (packed):" in out and "plain, target as loaded:" in out and "speedup over it:" in out
+    assert "the draft is packed like the target, not quantized; --draft-bits 8 ignored" in out
+    assert "identical to plain greedy: True" in out

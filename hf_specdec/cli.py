@@ -40,30 +40,7 @@ def generate_command(args: argparse.Namespace) -> None:
     as_loaded = _pack_target(target, args.pack)  # the target as loaded, if the one decoding uses is packed
     if as_loaded is not None:
         target, as_loaded = as_loaded, target
-    if args.draft.startswith("self:"):  # self-speculation: the target's first L layers (shared weights)
-        from .self_draft import early_exit_draft
-
-        layers = args.draft.split(":", 1)[1]
-        if not layers.isdigit():
-            raise SystemExit(f"--draft self:L takes a number of the target's layers, got {args.draft!r}")
-        draft = early_exit_draft(target, int(layers))
-        if args.draft_bits != 16:
-            print(f"the self draft is not quantized (its weights are the target's); --draft-bits {args.draft_bits} ignored")
-        args.draft_bits = 16
-    else:
-        draft, draft_tokenizer = load_model(args.draft, device=args.device)
-        check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
-        if as_loaded is not None:  # its prompt encoding and catch-ups are forwards over many tokens too
-            from .cpu import pack_linears
-
-            pack_linears(draft)
-            if args.draft_bits != 16:
-                print(f"the draft is packed like the target, not quantized; --draft-bits {args.draft_bits} ignored")
-            args.draft_bits = 16
-    if args.draft_bits != 16:
-        from .quantize import quantize_weights
-
-        quantize_weights(draft, args.draft_bits, group_size=32)  # the draft only: exactness is untouched
+    draft = _load_draft(args, target, tokenizer, packed=as_loaded is not None)
     inputs = chat_inputs(tokenizer, args.prompt, target.device)
     common = dict(max_new_tokens=args.max_new_tokens, **sampling_kwargs(args.temperature, args.top_p))
     spec = dict(custom_generate=speculative_generate, assistant=draft, num_draft_tokens=args.num_draft_tokens,
@@ -93,6 +70,36 @@ def generate_command(args: argparse.Namespace) -> None:
     print("\n" + tokenizer.decode(out.sequences[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True) + "\n")
     _report(out, plain_out, inputs["input_ids"].shape[1], plain_times, spec_times, greedy=not common["do_sample"],
             loaded_times=loaded_times, loaded_dtype=None if as_loaded is None else str(as_loaded.dtype).removeprefix("torch."))
+
+
+def _load_draft(args: argparse.Namespace, target, tokenizer, packed: bool):
+    """The draft as --draft, --draft-bits and packing ask: the target's first L layers (self:L), or a
+    model packed like the target (packed) or weight-only quantized."""
+    if args.draft.startswith("self:"):  # self-speculation: the target's first L layers (shared weights)
+        from .self_draft import early_exit_draft
+
+        layers = args.draft.split(":", 1)[1]
+        if not layers.isdigit():
+            raise SystemExit(f"--draft self:L takes a number of the target's layers, got {args.draft!r}")
+        draft = early_exit_draft(target, int(layers))
+        if args.draft_bits != 16:
+            print(f"the self draft is not quantized (its weights are the target's); --draft-bits {args.draft_bits} ignored")
+        args.draft_bits = 16
+    else:
+        draft, draft_tokenizer = load_model(args.draft, device=args.device)
+        check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
+        if packed:  # its prompt encoding and catch-ups are forwards over many tokens too
+            from .cpu import pack_linears
+
+            pack_linears(draft)
+            if args.draft_bits != 16:
+                print(f"the draft is packed like the target, not quantized; --draft-bits {args.draft_bits} ignored")
+            args.draft_bits = 16
+    if args.draft_bits != 16:
+        from .quantize import quantize_weights
+
+        quantize_weights(draft, args.draft_bits, group_size=32)  # the draft only: exactness is untouched
+    return draft
 
 
 def _pack_target(target, choice: str):

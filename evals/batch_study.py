@@ -118,11 +118,13 @@ def length_distribution(records) -> dict:
 
 def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens,
                      modes=("greedy",), prompts_per_size: int | None = None, draft_vocab_size: int | None = None,
-                     on_row=None) -> list[dict]:
+                     on_row=None, variant: dict | None = None) -> list[dict]:
     """Throughput (generated tokens / second) of plain batched decoding and hf_specdec at each batch
     size and mode, over the same prompts, the two interleaved batch by batch. Each cell also keeps
     the ratio of every batch on its own (`batch_ratios`): their spread is the noise a one-run cell
-    carries. `on_row(rows)`, if given, is called with the rows so far after each cell."""
+    carries. `on_row(rows)`, if given, is called with the rows so far after each cell. `variant`:
+    hf_specdec's keyword arguments changed for a third method run right after it on every batch (an
+    A/B of one lever in the same run: row["variant"])."""
     from tqdm.auto import tqdm
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -136,13 +138,19 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
         mode = MODES[mode_name]
         for size in batch_sizes:
             count = len(prompts) if not prompts_per_size else max(size, min(prompts_per_size, len(prompts)))
-            tokens, seconds = {"plain": 0, "hf_specdec": 0}, {"plain": 0.0, "hf_specdec": 0.0}
+            methods = [("plain", None), ("hf_specdec", dict(spec))]
+            if variant:
+                methods.append(("variant", dict(spec, **variant)))
+            tokens, seconds = {m: 0 for m, _ in methods}, {m: 0.0 for m, _ in methods}
             match, acceptance, records, diverged, batch_ratios = True, [], [], [], []
+            variant_acceptance, variant_records, variant_match, variant_ratios = [], [], True, []
             chunks = [prompts[i : i + size] for i in range(0, count - size + 1, size)]
             for n, chunk in enumerate(tqdm(chunks, desc=f"{mode_name} batch {size}")):
                 ids, mask = left_pad([p["input_ids"] for p in chunk], pad_id, target.device)
                 outputs, this_batch = {}, {}
-                for method, kwargs in (("plain", None), ("hf_specdec", dict(spec, acceptance_sink=records.append))):
+                for method, kwargs in methods:
+                    if kwargs is not None:
+                        kwargs = dict(kwargs, acceptance_sink=(records if method == "hf_specdec" else variant_records).append)
                     seqs, took, stats = _timed_generate(target, ids, mask, pad_id, max_new_tokens, mode, kwargs, seed=n)
                     new = seqs[:, ids.shape[1] :]  # (batch, new)
                     made = sum(_generated_length(row, tokenizer.eos_token_id, pad_id) for row in new)
@@ -151,8 +159,12 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
                     this_batch[method] = (made, took)
                     outputs[method] = seqs
                     if stats is not None:
-                        acceptance.append(stats)
+                        (acceptance if method == "hf_specdec" else variant_acceptance).append(stats)
                 batch_ratios.append(speedup_over_plain(*this_batch["hf_specdec"], *this_batch["plain"]))
+                if variant:
+                    variant_ratios.append(speedup_over_plain(*this_batch["variant"], *this_batch["hf_specdec"]))
+                    if mode_name == "greedy" and not torch.equal(outputs["plain"], outputs["variant"]):
+                        variant_match = False
                 if mode_name == "greedy" and not torch.equal(outputs["plain"], outputs["hf_specdec"]):
                     match = False
                     rows_new = [[_trim(row, tokenizer.eos_token_id, pad_id) for row in outputs[m][:, ids.shape[1]:]]
@@ -169,6 +181,15 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
                 mismatches=diverged if mode_name == "greedy" else None,
                 lengths=length_distribution(records), batch_ratios=batch_ratios,
             ))
+            if variant:
+                rows[-1]["variant"] = dict(
+                    settings=variant, tokens_per_s=tokens["variant"] / seconds["variant"],
+                    ratio=speedup_over_plain(tokens["variant"], seconds["variant"], tokens["plain"], seconds["plain"]),
+                    over_hf_specdec=speedup_over_plain(tokens["variant"], seconds["variant"], tokens["hf_specdec"], seconds["hf_specdec"]),
+                    batch_ratios_over_hf_specdec=variant_ratios,
+                    acceptance_rate=functools.reduce(hf_specdec.AcceptanceStats.merge, variant_acceptance).acceptance_rate,
+                    all_match_plain=bool(variant_match) if mode_name == "greedy" else None,
+                    lengths=length_distribution(variant_records))
             if on_row is not None:
                 on_row(rows)
     return rows
@@ -194,6 +215,26 @@ def batch_table(rows) -> str:
     return "\n".join(lines)
 
 
+def variant_table(rows) -> str:
+    """The `--variant` A/B, if run: the variant against plain and against hf_specdec, per cell."""
+    mine = [r for r in rows if r.get("variant")]
+    if not mine:
+        return ""
+    settings = ", ".join(f"{k}={v}" for k, v in mine[0]["variant"]["settings"].items())
+    lines = [f"Variant ({settings}), run right after hf_specdec on every batch:", "",
+             "| mode | batch size | variant tok/s | variant / plain | variant / hf_specdec | per batch (min-max) | "
+             "acceptance | row length mean | rows at 0 | greedy match |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in mine:
+        v, d = r["variant"], r["variant"].get("lengths") or {}
+        per = v["batch_ratios_over_hf_specdec"]
+        spread = f"{min(per):.2f}-{max(per):.2f}x ({len(per)})" if len(per) > 1 else "one batch"
+        match = "-" if v["all_match_plain"] is None else "yes" if v["all_match_plain"] else "NO"
+        lines.append(f"| {r['mode']} | {r['batch_size']} | {v['tokens_per_s']:.2f} | {v['ratio']:.2f}x | {v['over_hf_specdec']:.2f}x | "
+                     f"{spread} | {v['acceptance_rate']:.2f} | {d.get('mean', 0):.1f} | {d.get('zero_share', 0):.0%} | {match} |")
+    return "\n".join(lines)
+
+
 def plot_throughput(rows, path: Path) -> None:
     """Tokens per second against batch size, plain and hf_specdec, one panel per mode."""
     import matplotlib
@@ -208,6 +249,8 @@ def plot_throughput(rows, path: Path) -> None:
         sizes = [r["batch_size"] for r in mine]
         ax.plot(sizes, [r["plain_tokens_per_s"] for r in mine], "o-", label="plain batched")
         ax.plot(sizes, [r["hf_specdec_tokens_per_s"] for r in mine], "s-", label="hf_specdec")
+        if all(r.get("variant") for r in mine):
+            ax.plot(sizes, [r["variant"]["tokens_per_s"] for r in mine], "^--", label="hf_specdec variant")
         for r in mine:
             ax.annotate(f"{r['ratio']:.2f}x", (r["batch_size"], r["hf_specdec_tokens_per_s"]), textcoords="offset points",
                         xytext=(0, 6), ha="center", fontsize=8)
@@ -235,7 +278,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
                   torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size,
-                  draft_vocab_size=args.draft_vocab_size, pack=args.pack)
+                  draft_vocab_size=args.draft_vocab_size, pack=args.pack, variant=args.variant)
     title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
     if args.pack:
         title += "; float32 oneDNN-packed target and draft"
@@ -243,15 +286,18 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     def write(rows, done: bool = False) -> None:  # after every cell: a run stopped early keeps what it measured
         (out / "batch_throughput.json").write_text(json.dumps(dict(config=config, rows=rows, complete=done), indent=2))
         status = "" if done else "\n\n(partial: the run has not finished every cell)"
+        variant = variant_table(rows)
         (out / "batch_throughput.md").write_text(
-            f"# {title}\n\n{batch_table(rows)}{status}\n\n![throughput](batch_throughput.png)\n")
+            f"# {title}\n\n{batch_table(rows)}{status}\n\n{variant + chr(10) * 2 if variant else ''}![throughput](batch_throughput.png)\n")
         plot_throughput(rows, out / "batch_throughput.png")
 
     rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
                             modes=args.modes, prompts_per_size=args.prompts_per_size, draft_vocab_size=args.draft_vocab_size,
-                            on_row=write)
+                            on_row=write, variant=args.variant)
     write(rows, done=True)
     print(batch_table(rows))
+    if args.variant:
+        print(variant_table(rows))
     return rows
 
 
@@ -271,10 +317,28 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="weight-only quantization of hf_specdec's draft (16: none)")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="hf_specdec's reduced-vocabulary draft head: token ids below N, the prompts' and EOS (default: all)")
+    parser.add_argument("--variant", nargs="+", default=None, metavar="KEY=VALUE", type=_setting,
+                        help="also run hf_specdec with these keyword arguments changed, right after it on every batch "
+                             "(an A/B of one lever in the same run), e.g. --variant draft_vocab_size=32768")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--out", default="runs/batch")
     parser.add_argument("--categories", nargs="+", default=list(BATCH_CATEGORIES), choices=BATCH_CATEGORIES, metavar="CATEGORY")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    args.variant = dict(args.variant) if args.variant else None
+    return args
+
+
+def _setting(text: str) -> tuple[str, object]:
+    """"key=value" -> (key, value as a Python literal where it parses as one, else the string)."""
+    import ast
+
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE with a keyword argument name, got {text!r}")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ best speedup a draft chain can reach at a per-token acceptance a: max over k of
 
     python evals/batch_widths.py --out runs/batch-widths
     python evals/batch_widths.py --batch-sizes 1 2 4 8 --widths 1 2 3 5 --draft qwen2.5-coder-0.5b-instruct --out runs/bw
+    python evals/batch_widths.py --pack --threads 2 --batch-sizes 1 2 4 8 --widths 1 2 3 4 5 --draft qwen2.5-coder-0.5b-instruct --out runs/bw-packed
 """
 
 from __future__ import annotations
@@ -28,9 +29,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_specdec.cache import new_cache, rollback  # noqa: E402
+from hf_specdec.cpu import pack_linears  # noqa: E402
 from hf_specdec.pair import TARGET, load_model  # noqa: E402
+from hf_specdec.proposals.draft_model import VocabularySubsetHead  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
-from common import drafts_by_precision  # noqa: E402
+from common import PACK_HELP, drafts_by_precision  # noqa: E402
 
 
 @torch.no_grad()
@@ -59,17 +62,27 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8, help="weight-only quantization of the draft")
     parser.add_argument("--acceptance", type=float, default=0.75, help="per-token acceptance for the best-speedup line")
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
+    parser.add_argument("--draft-vocab-size", type=int, default=None,
+                        help="time the draft with its output layer restricted to ids below this (draft_vocab_size's head)")
     parser.add_argument("--out", default="runs/batch-widths")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     model, _ = load_model(args.target)
     model.eval()
+    if args.pack:
+        model = pack_linears(model)
     gen = torch.Generator().manual_seed(0)
     draft = None
     if args.draft:
         draft, _ = load_model(args.draft)
-        draft = drafts_by_precision(draft.eval(), args.draft_bits)["hf"]
+        draft = pack_linears(draft.eval(), keep_head_rows=bool(args.draft_vocab_size)) if args.pack else drafts_by_precision(draft.eval(), args.draft_bits)["hf"]
+        if args.draft_vocab_size:  # the reduced head alone (generate adds the prompt's ids and EOS to the subset)
+            if not (args.pack or args.draft_bits == 8):
+                parser.error("--draft-vocab-size times a packed (--pack) or int8 (--draft-bits 8) draft head")
+            draft.lm_head = VocabularySubsetHead(draft.get_output_embeddings(), torch.arange(args.draft_vocab_size),
+                                                 draft.get_output_embeddings().weight.shape[0]).project
     table, step_ms, draft_cost = {}, {}, {}
     for batch in args.batch_sizes:
         row = {w: forward_seconds(model, batch, w, args.context, args.reps, gen) for w in args.widths}

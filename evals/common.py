@@ -112,7 +112,7 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
         from hf_specdec.cpu import pack_linears
 
         pack_linears(target)
-        pack_linears(draft)
+        pack_linears(draft, keep_head_rows=True)  # draft_vocab_size restricts its head
     return target, draft, tokenizer
 
 

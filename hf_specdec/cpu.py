@@ -70,13 +70,33 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight = linear.weight.detach().to(torch.float32)
+        self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
+        # The same rows in dense float32 where the model holds them anyway (a tied head's input
+        # embedding; set by `pack_linears`), for `select_outputs`. Not a buffer: it is the embedding's.
+        self.dense_rows: torch.Tensor | None = None
+
+    def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.out_features, self.in_features = weight.shape
         # Not a buffer: an opaque oneDNN tensor has no storage for state_dict, `.to()` or copying.
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), None)
-        bias = None if linear.bias is None else linear.bias.detach().to(torch.float32)
-        self.register_buffer("bias", bias)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.float32).contiguous(), None)
+        self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self.weight = torch.empty(self.out_features, self.in_features, device="meta")  # shape only
+
+    def select_outputs(self, index: torch.Tensor) -> "PackedLinear":
+        """A packed layer computing only the outputs `index` (1-D ids into out_features): a draft's
+        reduced-vocabulary head. Needs the dense rows, which a tied head has in its input embedding; an
+        untied packed head is refused (the packed layout cannot be sliced)."""
+        if self.dense_rows is None:
+            raise ValueError(
+                "this packed layer cannot be restricted to a subset of its outputs: its dense weight is gone "
+                "(pack the draft with pack_linears(draft, keep_head_rows=True), or leave draft_vocab_size unset)"
+            )
+        layer = PackedLinear.__new__(PackedLinear)
+        nn.Module.__init__(layer)
+        index = index.to(self.dense_rows.device)
+        layer._pack(self.dense_rows[index], None if self.bias is None else self.bias[index])
+        layer.dense_rows = None
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -92,7 +112,7 @@ class PackedLinear(nn.Module):
         memo[id(self)] = new
         nn.Module.__init__(new)
         new.in_features, new.out_features = self.in_features, self.out_features
-        new.packed, new.weight = self.packed, self.weight
+        new.packed, new.weight, new.dense_rows = self.packed, self.weight, self.dense_rows
         new.register_buffer("bias", None if self.bias is None else self.bias.clone())
         return new
 
@@ -101,10 +121,15 @@ class PackedLinear(nn.Module):
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module) -> nn.Module:
+def pack_linears(model: nn.Module, keep_head_rows: bool = False) -> nn.Module:
     """Cast `model` to float32 and replace, in place, every `torch.nn.Linear` by a `PackedLinear`;
     return `model`. Raises ValueError where torch cannot pack here (no oneDNN, ops missing), for a model
-    off the CPU, and for a model sharing its weights with another (`early_exit_draft`)."""
+    off the CPU, and for a model sharing its weights with another (`early_exit_draft`).
+
+    keep_head_rows: for a draft whose head will be restricted to a vocabulary subset
+    (`draft_vocab_size`), keep the output head's weight as loaded beside its packed copy (the packed
+    layout cannot be sliced): 272 MB in bf16 for the 0.5B draft's 152k x 896 head. A head tied to the
+    input embedding needs nothing kept (the embedding holds its rows) and can always be restricted."""
     problem = packing_problem()
     if problem:
         raise ValueError(problem)
@@ -117,6 +142,8 @@ def pack_linears(model: nn.Module) -> nn.Module:
             "hf_specdec.early_exit_draft): packing it in place would change that model's layers too"
         )
     head_name, _ = _tied_head(model)
+    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    kept = output.weight.detach() if keep_head_rows and head_name is None and type(output) is nn.Linear else None
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     # One layer at a time, holding no reference to the replaced ones: the peak is the model as given
     # plus the packed weights, not a float32 copy of every layer on top (12 GB for the 1.5B target).
@@ -127,6 +154,10 @@ def pack_linears(model: nn.Module) -> nn.Module:
     model.to(torch.float32)  # what is left: embeddings, norms, biases of other layers
     if head_name in names:
         _untie_config(model)  # the head has its own packed copy now; a later tie_weights() must not re-tie
+        # the embedding holds the head's rows in float32: a reduced-vocabulary draft head slices them
+        model.get_submodule(head_name).dense_rows = model.get_input_embeddings().weight.detach()
+    elif kept is not None:
+        model.get_output_embeddings().dense_rows = kept  # as loaded (bf16 -> float32 is exact when sliced)
     logger.info("packed %d Linear layers as float32 for oneDNN", len(names))
     return model
 

@@ -81,6 +81,46 @@ def test_a_packed_model_can_be_copied():
         assert torch.equal(twin(IDS).logits, model(IDS).logits)
 
 
+def test_a_packed_tied_head_restricted_to_a_vocabulary_subset():
+    """draft_vocab_size on a packed draft: its head's subset rows come from the tied embedding and are
+    packed again; logits at the subset equal the full packed head's, -inf elsewhere; decoding with it
+    is still exact (greedy equals plain greedy), and an untied packed head is refused by name."""
+    from hf_specdec.proposals.draft_model import VocabularySubsetHead
+
+    draft = tiny_model("qwen2", seed=3)
+    draft.config.tie_word_embeddings = True
+    draft.tie_weights()
+    pack_linears(draft)
+    subset = torch.tensor([40, 3, 17, 0, 63, 3])
+    head = VocabularySubsetHead(draft.get_output_embeddings(), subset, 64)
+    assert isinstance(head.project, PackedLinear) and head.project.out_features == 5
+    hidden = torch.randn(2, 3, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full, restricted = draft.lm_head(hidden), head(hidden)
+    inside = torch.zeros(64, dtype=torch.bool)
+    inside[subset] = True
+    assert rel_err(restricted[..., inside], full[..., inside]) < 1e-5
+    assert torch.isneginf(restricted[..., ~inside]).all()
+
+    target = tiny_model("qwen2", seed=3)
+    pack_linears(target)
+    prompt = torch.tensor([[1, 5, 2, 7, 9, 4]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
+    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+                          max_new_tokens=30, draft_vocab_size=48, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.acceptance.drafted > 0 and out.acceptance.accepted > 0
+
+    untied = pack_linears(tiny_model("llama"))  # tiny_model's heads are untied
+    with pytest.raises(ValueError, match="cannot be restricted to a subset of its outputs.*keep_head_rows=True"):
+        VocabularySubsetHead(untied.get_output_embeddings(), subset, 64)
+    kept = pack_linears(tiny_model("llama").to(torch.bfloat16), keep_head_rows=True)
+    head = VocabularySubsetHead(kept.get_output_embeddings(), subset, 64)
+    with torch.no_grad():
+        full, restricted = kept.lm_head(hidden), head(hidden)
+    assert rel_err(restricted[..., inside], full[..., inside]) < 1e-5
+
+
 def test_bad_models_are_refused_with_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="for models on the CPU; this one has weights on \\['meta'\\]"):
         pack_linears(tiny_model("llama").to("meta"))

@@ -19,6 +19,7 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
+from ..cpu import PackedLinear
 from ..quantize import WeightOnlyLinear
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
@@ -60,7 +61,7 @@ class VocabularySubsetHead:
 
     def __init__(self, output_embeddings: torch.nn.Module, token_ids: torch.Tensor, vocab: int):
         self.token_ids = token_ids.unique()  # sorted
-        if isinstance(output_embeddings, WeightOnlyLinear):  # a quantized head (the int8 draft's default)
+        if isinstance(output_embeddings, (WeightOnlyLinear, PackedLinear)):  # int8, or float32 packed for oneDNN
             self.project = output_embeddings.select_outputs(self.token_ids)
         elif getattr(output_embeddings, "weight", None) is not None and not output_embeddings.weight.is_meta:
             weight = output_embeddings.weight[self.token_ids].detach().contiguous()  # [subset, hidden]

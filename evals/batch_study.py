@@ -140,7 +140,7 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
             count = len(prompts) if not prompts_per_size else max(size, min(prompts_per_size, len(prompts)))
             methods = [("plain", None), ("hf_specdec", dict(spec))]
             if variant:
-                methods.append(("variant", dict(spec, **variant)))
+                methods.append(("variant", _with_settings(spec, variant)))
             tokens, seconds = {m: 0 for m, _ in methods}, {m: 0.0 for m, _ in methods}
             match, acceptance, records, diverged, batch_ratios = True, [], [], [], []
             variant_acceptance, variant_records, variant_match, variant_ratios = [], [], True, []
@@ -213,6 +213,24 @@ def batch_table(rows) -> str:
                      f"{r['hf_specdec_tokens_per_s']:.2f} | {r['ratio']:.2f}x | {spread} | {r['acceptance_rate']:.2f} | {lengths} | "
                      f"{zero} | {shares} | {match} |")
     return "\n".join(lines)
+
+
+def _with_settings(spec: dict, settings: dict) -> dict:
+    """hf_specdec's keyword arguments with `settings` changed: speculative_generate's own arguments as
+    they are, other SpeculativeConfig fields (prefill_patience, ...) through `speculative_config`."""
+    import dataclasses
+    import inspect
+
+    named = set(inspect.signature(hf_specdec.speculative_generate).parameters)
+    fields = {f.name for f in dataclasses.fields(hf_specdec.SpeculativeConfig)}
+    unknown = sorted(set(settings) - named - fields)
+    if unknown:
+        raise ValueError(f"--variant: {', '.join(unknown)} is neither a speculative_generate argument nor a SpeculativeConfig field")
+    config = {k: v for k, v in settings.items() if k not in named}
+    out = dict(spec, **{k: v for k, v in settings.items() if k in named})
+    if config:
+        out["speculative_config"] = hf_specdec.SpeculativeConfig(**config)
+    return out
 
 
 def variant_table(rows) -> str:

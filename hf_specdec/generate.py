@@ -305,7 +305,9 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
     same target forward). Verified with per-row lengths (`verify.speculative_sampling`)."""
     policy, rows, device = state.policy, state.batch.size, request.ids.device
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
-    draft = policy.should_draft(prefill, room)
+    # A cold draft starts only once the rounds without it have lost as much as its prefill costs
+    # (ski rental, as for trees): a batch of short answers never pays the draft's prefill.
+    draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
     draft_rate = policy.expected_draft_rate(prefill, room)
     retrieved, sizes = {}, [0] * rows
     for r, (tokens, size) in enumerate(state.lookup.match_rows(dataclasses.replace(request, max_tokens=room))):
@@ -539,8 +541,11 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
     if proposal.unverified is not None:
         continuation, size = proposal.unverified
         state.policy.observe_unverified(continuation, verdict.tokens[0][: emission.counts[0]], size)
-    if state.trees and not proposal.forwards and state.drafter.prefill_tokens(state.batch.width):
-        state.policy.observe_cold_round(proposal.num_tokens + 1, emission.counts[0])
+    if (state.trees or state.batch.size > 1) and not proposal.forwards and state.drafter.prefill_tokens(state.batch.width):
+        # a round without the cold draft (the ski-rental wait of tree rounds and batch rounds); a batch's
+        # rows emitted this many tokens each on average, for one batch step's price
+        counts = emission.counts[: state.batch.size]
+        state.policy.observe_cold_round(proposal.num_tokens + 1, sum(counts) / max(1, len(counts)))
 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:

@@ -141,3 +141,43 @@ def test_batch_of_one_row_with_padding_matches_plain():
     plain = target.generate(ids[:1], attention_mask=mask[:1], do_sample=False, max_new_tokens=15)
     out = spec(target, perturbed(target, 0.5), ids[:1], mask[:1], do_sample=False, max_new_tokens=15)
     assert torch.equal(out, plain)
+
+
+def test_a_batchs_cold_draft_starts_only_after_its_prefill_is_earned(arch):
+    """Ski rental in batches: the rounds taken while the draft is cold (plain steps and lookups) add
+    what they lost against a warm draft's expected rate, per row on average; the draft runs first in
+    the round after that reaches its prefill's cost. A batch of short answers never pays it; without
+    the wait (prefill_patience=0) the draft starts in the first round that may guess."""
+    from hf_specdec.policy import DraftPolicy, PolicySettings
+
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, noise=0.1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(2, 64, (n,), generator=gen).tolist() for n in (300, 280)]
+    ids, mask = left_padded(prompts)
+    costs = dict(draft_cost=0.25, verify_cost=0.03, adaptive=True, ngram=True, do_sample=False)
+    plain = target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=40)
+    rounds = []
+    out = spec(target, draft, ids, mask, max_new_tokens=40, acceptance_sink=rounds.append, **costs)
+    assert torch.equal(out, plain)
+    by_round = {}
+    for r in rounds:
+        by_round.setdefault(r.round, []).append(r)
+    sources = [{r.source for r in rows} for _, rows in sorted(by_round.items())]
+    first = next(i for i, s in enumerate(sources) if "draft" in s)  # 40 tokens a row pay for it in the end ...
+    assert first > 1
+    replay = DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03, rows=2))
+    earned = []
+    for _, rows in sorted(by_round.items())[: first]:  # ... once the rounds before it have lost its prefill
+        earned.append(replay.prefill_earned(ids.shape[1]))
+        replay.observe_cold_round(max(len(r.draft_tokens) for r in rows) + 1, sum(len(r.emitted_tokens) for r in rows) / len(rows))
+    assert earned[-1] and not earned[0]  # earned by the round before the draft's first, and not at once
+
+    short = spec(target, draft, ids, mask, max_new_tokens=4, return_dict_in_generate=True, **costs)
+    assert torch.equal(short.sequences, plain[:, : ids.shape[1] + 4])
+    assert short.acceptance.draft_forwards == 0  # four tokens a row never pay a 300-column prefill
+    eager_rounds = []
+    eager = spec(target, draft, ids, mask, max_new_tokens=40, acceptance_sink=eager_rounds.append,
+                 speculative_config=hf_specdec.SpeculativeConfig(prefill_patience=0.0), **costs)
+    assert torch.equal(eager, plain)
+    assert min(r.round for r in eager_rounds if r.source == "draft") < min(r.round for r in rounds if r.source == "draft")

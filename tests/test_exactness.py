@@ -398,7 +398,10 @@ def mixed_laws(pair):
 
 
 def mixed_kwargs(draft, draft_cost):
-    return spec_kwargs(draft, adaptive=True, ngram=True, draft_cost=draft_cost, verify_cost=0.03, num_draft_tokens=3)
+    # prefill_patience=0: the draft may start in the first round that guesses (a batch otherwise waits
+    # until the rounds without it have lost its prefill's cost), so rows mix sources from the start
+    return spec_kwargs(draft, adaptive=True, ngram=True, draft_cost=draft_cost, verify_cost=0.03, num_draft_tokens=3,
+                       speculative_config=hf_specdec.SpeculativeConfig(prefill_patience=0.0))
 
 
 def _rounds_by_sources(records) -> list[set[str]]:

@@ -42,9 +42,11 @@ class SpeculativeConfig:
     # modelled time 1% lower, and under sampling retrieval trees won more rounds and kept the draft
     # model out longer (summarization 11% slower modelled).
     ngram_depths: int = 0
-    # Ski rental for the draft's prefill (single rows with retrieval): a cold draft starts only once
-    # the rounds taken without it have lost, against a warm draft's expected rate, this many times
-    # what its prefill costs (`hf_specdec.policy.PolicySettings`). 0: no wait.
+    # Ski rental for the draft's prefill (single rows with retrieval trees; batches with lookup): a
+    # cold draft starts only once the rounds taken without it have lost, against a warm draft's
+    # expected rate, this many times what its prefill costs (`hf_specdec.policy.PolicySettings`).
+    # 0: no wait. In batches it took the batch-2 and -4 study from 1.08x / 1.05x to 1.10x / 1.10x
+    # plain batched (evals/results/batch-study/packed-avx2-ski-ab/, one run).
     prefill_patience: float = 1.0
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree

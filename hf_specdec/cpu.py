@@ -71,8 +71,8 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-        # The same rows in dense float32 where the model holds them anyway (a tied head's input
-        # embedding; set by `pack_linears`), for `select_outputs`. Not a buffer: it is the embedding's.
+        # The same rows dense, for `select_outputs` (set by `pack_linears`): a tied head's input
+        # embedding, or with keep_head_rows=True the head's weight as loaded. Not a buffer: not ours to save.
         self.dense_rows: torch.Tensor | None = None
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:

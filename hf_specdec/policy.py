@@ -35,10 +35,10 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   expected to draft (s: the share of rounds so far in which retrieval beat a warm draft, shrunk
   toward 0): it is used only where that beats the alternative (retrieval, or a plain step at rate
   1), so a long prompt with a short answer, or retrieval that keeps paying, never pays the draft's
-  prefill. With retrieval (single rows), the draft also waits until the rounds taken without it have
-  lost, against a warm draft's expected rate, as much as its prefill costs (ski rental: at most twice
-  the cost of the best choice in hindsight): the share is unknown in the first rounds, when the
-  decision is made.
+  prefill. With retrieval (single rows) and in batches, the draft also waits until the rounds taken
+  without it have lost, against a warm draft's expected rate, as much as its prefill costs (ski
+  rental: at most twice the cost of the best choice in hindsight): the share, and how long the
+  answers will be, are unknown in the first rounds, when the decision is made.
 
 Both costs are measured online from the rounds' wall times: c from draft time per draft step over
 the target's one-token step time at that moment (a running ratio, so it holds when rows leave a
@@ -119,7 +119,7 @@ class PolicySettings:
     # position); 0 (the default): one acceptance per match size for every position. Off by default:
     # on the tuning split it changed greedy by 1% and lost under sampling (see SpeculativeConfig).
     ngram_depths: int = 0
-    # Ski rental for the draft's prefill (single rows with retrieval): a cold draft is started only
+    # Ski rental for the draft's prefill (single rows with retrieval; batches): a cold draft is started only
     # once the rounds taken without it have lost, against a warm draft's expected rate, this many
     # times what its prefill costs. 0: no such wait (the expected-value rule alone decides).
     prefill_patience: float = 1.0

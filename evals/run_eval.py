@@ -9,7 +9,9 @@ lookup decoding and hf_specdec, on Spec-Bench (six tasks) and HumanEval, greedy 
 For every prompt, in one process, the methods run interleaved (plain first, then the others) with
 the same max_new_tokens; speedup = method tokens/s over plain tokens/s for that prompt
 (`common.speedup_over_plain`), and each category reports the median. Writes <out>/records.jsonl (one
-line per prompt, mode and method), <out>/summary.json, <out>/summary.md and PNG plots.
+line per prompt, mode and method), <out>/summary.json, <out>/summary.md and PNG plots. While it runs,
+each process appends finished prompts to <out>/records.partial.rank<N>.jsonl: a stopped run keeps
+what it measured (`--from-records` summarises it).
 Batched throughput is `evals/batch_study.py`; the bars table of a summary is `evals/bars.py`.
 """
 
@@ -566,6 +568,9 @@ def _shape(model) -> list[tuple[str, tuple[int, ...]]]:
     return [(name, tuple(t.shape)) for name, t in [*model.named_parameters(), *model.named_buffers()]]
 
 
+PARTIAL = "records.partial.rank{rank}.jsonl"  # per process, while the run goes on
+
+
 def main(config: EvalConfig) -> dict | None:
     """Run the comparison of `config` (prompts split over accelerate's processes) and, on the main
     process, write records, summary, table and plots; returns the summary there, None elsewhere."""
@@ -610,15 +615,24 @@ def main(config: EvalConfig) -> dict | None:
     evaluate_prompt(config, prompts[0], 0, target, drafts, timers, 8, table)
 
     records = []
-    with accelerator.split_between_processes(list(enumerate(prompts))) as local:
+    out = Path(config.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Each process appends its prompts' records here as they finish, so a long run that is stopped
+    # keeps what it measured (`--from-records` summarises a partial file); removed once merged.
+    partial = out / PARTIAL.format(rank=accelerator.process_index)
+    with accelerator.split_between_processes(list(enumerate(prompts))) as local, open(partial, "w") as log:
         bar = tqdm(local, desc=f"rank {accelerator.process_index}", disable=not accelerator.is_local_main_process)
         for index, prompt in bar:
-            records += evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens, table)
+            new = evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens, table)
+            log.writelines(json.dumps(r) + "\n" for r in new)
+            log.flush()
+            records += new
             spec = [r for r in records if r["method"] == "hf_specdec" and r.get("speedup")]
             if spec:
                 bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
     records = gather_object(records)
     if not accelerator.is_main_process:
+        partial.unlink()
         return None
     end_table = measure(target, drafts, vocab, modes)  # drift of the machine over the run
     summary = summarise(records, evaluate.load(str(METRIC)))
@@ -626,13 +640,12 @@ def main(config: EvalConfig) -> dict | None:
     settings.update(processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),
                     torch=torch.__version__, transformers=transformers.__version__, cost_table_drift=table.drift(end_table),
                     prompts=len(prompts))
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
     table.save(out / "cost_table.json")
     end_table.save(out / "cost_table_end.json")
     with open(out / "records.jsonl", "w") as f:
         for r in records:
             f.write(json.dumps(r) + "\n")
+    partial.unlink()
     write_summary(out, records, summary, settings, f"{config.preset}, {len(prompts)} prompts, {config.max_new_tokens} new tokens")
     print(f"wrote {out}/records.jsonl, summary.json, summary.md and plots")
     return summary
@@ -678,7 +691,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--pack", action="store_true", help=PACK_HELP)
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
-    parser.add_argument("--from-records", default=None, help="only rebuild summary and plots from a records.jsonl")
+    parser.add_argument("--from-records", default=None,
+                        help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl)")
     parser.add_argument("--split", choices=SPLITS, default="report",
                         help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")
     parser.add_argument("--cost-table", default=None,

@@ -187,6 +187,40 @@ def test_eval_end_to_end_on_tiny_models(tiny_eval, tmp_path):
     assert 0 <= spec["token_acceptance"] <= 1 and spec["geometric_tokens_per_round"] >= 1
 
 
+def test_a_stopped_eval_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
+    """Records are appended per prompt as the run goes: a run stopped on its second prompt leaves the
+    first prompt's records, and `--from-records` summarises them."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    import run_eval
+
+    measured = run_eval.evaluate_prompt
+
+    def stop_on_the_second_prompt(config, prompt, index, *args):
+        if index == 1 and args[-2] == config.max_new_tokens:  # not the warm-up (index 0, 8 tokens)
+            raise KeyboardInterrupt
+        return measured(config, prompt, index, *args)
+
+    monkeypatch.setattr(run_eval, "evaluate_prompt", stop_on_the_second_prompt)
+    config = run_eval.EvalConfig(target="tiny", draft="tiny", categories=("qa", "humaneval"), modes=("greedy",),
+                                 methods=("plain", "prompt_lookup", "hf_specdec"), out=tmp_path / "run",
+                                 prompts_per_category=1, max_new_tokens=12, threads=1)
+    with pytest.raises(KeyboardInterrupt):
+        run_eval.main(config)
+    partial = tmp_path / "run" / run_eval.PARTIAL.format(rank=0)
+    records = [json.loads(line) for line in partial.read_text().splitlines()]
+    assert not (tmp_path / "run" / "records.jsonl").exists()
+    assert len(records) == 3 and {r["method"] for r in records} == {"plain", "prompt_lookup", "hf_specdec"}
+    assert len({r["id"] for r in records}) == 1 and all(r["new_tokens"] > 0 for r in records)
+    run([sys.executable, str(EVAL), "--from-records", str(partial), "--out", str(tmp_path / "summary")])
+    summary = json.loads((tmp_path / "summary" / "summary.json").read_text())["summary"]
+    category = records[0]["category"]
+    assert list(summary["greedy"]["hf_specdec"]["categories"]) == [category]
+
+
+def test_a_finished_eval_leaves_no_partial_records(tiny_eval):
+    assert not list(tiny_eval.glob("records.partial.*"))
+
+
 def test_bars_table_on_a_subset_without_assisted(tiny_eval):
     summary = json.loads((tiny_eval / "summary.json").read_text())["summary"]
     result = run([sys.executable, str(BARS), str(tiny_eval / "summary.json"), "--methods", "prompt_lookup", "hf_specdec"])

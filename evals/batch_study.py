@@ -287,7 +287,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack)
+    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
     draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up

@@ -94,11 +94,13 @@ def load_prompts(tokenizer, categories, per_category: int | None, split: str = "
     return prompts
 
 
-def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: bool = False):
+def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: bool = False, draft_bits: int = 8):
     """(target, draft, tokenizer): the named pair, or the tiny offline pair of `tiny.py` for "tiny".
     pack: both models in float32 with oneDNN-packed linears (`hf_specdec.pack_linears`), for every
     method alike: on CPUs without bf16 instructions, where a bf16 forward over k tokens costs nearly k
-    steps (the draft too: its prompt encoding and catch-ups are forwards over many tokens)."""
+    steps (the draft too: its prompt encoding and catch-ups are forwards over many tokens). With
+    `draft_bits` 8 the packed draft also gets int8 copies for its one-token steps (`decode_bits=8`);
+    `drafts_by_precision` gives the draft without them to the methods that take the draft as loaded."""
     if target_name == "tiny" or draft_name == "tiny":
         from tiny import tiny_pair
 
@@ -112,21 +114,39 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
         from hf_specdec.cpu import pack_linears
 
         pack_linears(target)
-        pack_linears(draft, keep_head_rows=True)  # draft_vocab_size restricts its head
+        # draft_vocab_size restricts its head; int8 copies make its one-token steps cheaper
+        pack_linears(draft, keep_head_rows=True, decode_bits=8 if draft_bits == 8 else None)
     return target, draft, tokenizer
 
 
 PACK_HELP = ("both models in float32 with oneDNN-packed linears (hf_specdec.pack_linears) for every method: on CPUs "
-             "without bf16 instructions a bf16 forward over k tokens costs nearly k steps (--draft-bits is then ignored)")
+             "without bf16 instructions a bf16 forward over k tokens costs nearly k steps (hf_specdec's draft then "
+             "keeps int8 copies for its one-token steps with --draft-bits 8, none with 4 or 16)")
 
 
 def drafts_by_precision(draft, bits: int) -> dict:
-    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (weight-only quantized to `bits`)}."""
+    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (weight-only quantized to `bits`)}.
+    bits 16 (a packed draft): "hf" as given, "bf16" without int8 decode copies if it has any (a copy
+    sharing the packed weights)."""
     if bits == 16:
-        return {"bf16": draft, "hf": draft}
+        return {"bf16": without_decode_copies(draft), "hf": draft}
     from hf_specdec.quantize import quantize_weights
 
     return {"bf16": draft, "hf": quantize_weights(copy.deepcopy(draft), bits)}
+
+
+def without_decode_copies(model):
+    """`model` itself if none of its packed layers has an int8 decode copy (`pack_linears(decode_bits=8)`),
+    else a copy (packed weights shared) whose layers all take the packed weight."""
+    from hf_specdec.cpu import PackedLinear
+
+    if not any(isinstance(m, PackedLinear) and m.decode is not None for m in model.modules()):
+        return model
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if isinstance(module, PackedLinear):
+            module.decode = None
+    return twin
 
 
 # ---------------------------------------------------------------- timing

@@ -44,7 +44,9 @@ METRIC = HERE / "metrics" / "speculative_acceptance"
 METHODS = ("plain", "assisted", "prompt_lookup", "hf_specdec")
 # hf_specdec with one lever (or all) switched off, for the ablation table (`--ablation`). hf_specdec
 # itself runs the library defaults (adaptive draft length, hybrid n-gram drafts) with the draft
-# quantized to int8 weights (`--draft-bits`, lever 3); "bf16" rows use the unquantized draft.
+# quantized to int8 weights (`--draft-bits`, lever 3); "bf16" rows use the unquantized draft. With
+# --pack the draft is packed for every method, hf_specdec's with int8 copies for its one-token steps
+# (`pack_linears(decode_bits=8)`), the "bf16" one (assisted, hf_bf16_draft) without them.
 ABLATIONS = {
     "hf_k5_model_only": dict(adaptive=False, ngram=False, num_draft_tokens=5, draft="bf16"),  # all levers off
     "hf_bf16_draft": dict(draft="bf16"),
@@ -584,7 +586,8 @@ def main(config: EvalConfig) -> dict | None:
     if config.threads:
         torch.set_num_threads(config.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack)
+    target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack,
+                                         config.draft_bits)
     drafts = drafts_by_precision(draft, 16 if config.pack else config.draft_bits)
     if config.second_draft is not None:
         second, _ = load_second_draft(config.second_draft, target, tokenizer)

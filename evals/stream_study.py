@@ -141,7 +141,7 @@ def main(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack)
+    target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
     draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id

@@ -22,11 +22,19 @@ speculative decoding on it agree (greedy token for token, up to float32 ties whe
 tokens rounds differently from one over a single token). Its logits are the float32 model's to float32
 rounding; against the bf16 model they differ as float32 differs from bf16 (a greedy text may part
 where bf16 rounded a near tie). Compare methods on the same packed target. Pack the draft too: its
-one-token step is a little dearer than int8's (113 ms against about 100 ms for the 0.5B draft), but
-its prompt encoding and its catch-ups after lookup rounds are forwards over many tokens (a 61-token
-prompt: 2.41 s int8, 0.57 s packed). The CLI (`--pack`) and the eval scripts pack both.
+prompt encoding and its catch-ups after lookup rounds are forwards over many tokens (a 61-token
+prompt: 2.41 s int8, 0.57 s packed). But its one-token step is dearer packed than int8 (0.5B draft,
+same 2-core AVX2 CPU: 103 ms against 84 ms at 100 cached tokens, 135 against 111 at 800), and the
+draft's one-token step is what a drafted token costs. `pack_linears(draft, decode_bits=8)` keeps both:
+each layer also holds an int8 weight-only copy (`quantize.WeightOnlyLinear`, bf16 compute) and takes
+it for inputs of at most `DECODE_ROWS` rows, the packed weight for more (at 4 rows int8 still wins,
+111-120 ms against 125-167; at 9 it loses, 211-227 against 154-215). Exactness is untouched: the draft
+is whatever it computes, and verification uses the q of the forward that drafted each token. The
+CLI (`--pack`, with the default `--draft-bits 8`) and the eval scripts (`--pack`) pack both models,
+the draft so.
 
-Memory: float32 weights, twice bf16's (6.2 GB for the 1.5B target). A tied output head gets its own
+Memory: float32 weights, twice bf16's (6.2 GB for the 1.5B target; an int8 decode copy adds a quarter
+of that, 0.5 GB for the 0.5B draft). A tied output head gets its own
 packed copy (the embedding keeps its float32 weight; `config.tie_word_embeddings` is set to False).
 CPU only: the packed layout is this CPU's; pack after loading, do not save a packed model.
 `PackedLinear.weight` is a shape-only meta tensor, so code that reads a head's `weight.shape` works.
@@ -40,9 +48,14 @@ import logging
 import torch
 from torch import nn
 
-from .quantize import _tied_head, _untie_config
+from .quantize import WeightOnlyLinear, _kernel_problem, _tied_head, _untie_config
 
 logger = logging.getLogger(__name__)
+
+# With an int8 decode copy (`pack_linears(..., decode_bits=8)`), inputs of at most this many rows take
+# it and wider ones the packed weight: measured on the 0.5B draft (see the module docstring), the int8
+# kernel wins at 1 and 4 rows and loses at 9.
+DECODE_ROWS = 4
 
 
 @functools.cache
@@ -74,6 +87,9 @@ class PackedLinear(nn.Module):
         # The same rows dense, for `select_outputs` (set by `pack_linears`): a tied head's input
         # embedding, or with keep_head_rows=True the head's weight as loaded. Not a buffer: not ours to save.
         self.dense_rows: torch.Tensor | None = None
+        # An int8 weight-only copy for inputs of at most `decode_rows` rows (`pack_linears(decode_bits=8)`).
+        self.decode: WeightOnlyLinear | None = None
+        self.decode_rows = DECODE_ROWS
 
     def _pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.out_features, self.in_features = weight.shape
@@ -96,14 +112,19 @@ class PackedLinear(nn.Module):
         index = index.to(self.dense_rows.device)
         layer._pack(self.dense_rows[index], None if self.bias is None else self.bias[index])
         layer.dense_rows = None
+        layer.decode = None if self.decode is None else self.decode.select_outputs(index)
+        layer.decode_rows = self.decode_rows
         return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError(f"a PackedLinear computes on the CPU (its weight is oneDNN's CPU layout); got input on {x.device}")
         shape = x.shape
-        flat = x.reshape(-1, self.in_features).to(torch.float32)
-        y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")
+        flat = x.reshape(-1, self.in_features)
+        if self.decode is not None and flat.shape[0] <= self.decode_rows:
+            y = self.decode(flat.to(self.decode.compute_dtype)).to(torch.float32)
+        else:
+            y = torch.ops.mkldnn._linear_pointwise(flat.to(torch.float32), self.packed, self.bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":
@@ -114,17 +135,25 @@ class PackedLinear(nn.Module):
         new.in_features, new.out_features = self.in_features, self.out_features
         new.packed, new.weight, new.dense_rows = self.packed, self.weight, self.dense_rows
         new.register_buffer("bias", None if self.bias is None else self.bias.clone())
+        new.decode, new.decode_rows = self.decode, self.decode_rows  # shared too: never written
         return new
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, float32 oneDNN-packed"
+        decode = "" if self.decode is None else f", int8 copy for <= {self.decode_rows} rows"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"float32 oneDNN-packed{decode}")
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, keep_head_rows: bool = False) -> nn.Module:
+def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: int | None = None) -> nn.Module:
     """Cast `model` to float32 and replace, in place, every `torch.nn.Linear` by a `PackedLinear`;
     return `model`. Raises ValueError where torch cannot pack here (no oneDNN, ops missing), for a model
     off the CPU, and for a model sharing its weights with another (`early_exit_draft`).
+
+    decode_bits: 8 gives every layer an int8 weight-only copy (per-channel scales, bf16 compute, made
+    from the weight as given) that inputs of at most `DECODE_ROWS` rows take: a draft's one-token steps
+    at int8's price, its prompt encoding and catch-ups at the packed price (module docstring). None
+    (the default): packed weights only. For drafts: a target's outputs would change with the copy.
 
     keep_head_rows: for a draft whose head will be restricted to a vocabulary subset
     (`draft_vocab_size`), keep the output head's weight as loaded beside its packed copy (the packed
@@ -133,6 +162,10 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False) -> nn.Module:
     problem = packing_problem()
     if problem:
         raise ValueError(problem)
+    if decode_bits not in (None, 8):
+        raise ValueError(f"decode_bits must be None or 8 (an int8 copy for one-token steps), got {decode_bits!r}")
+    if decode_bits and _kernel_problem(8):
+        raise ValueError(f"decode_bits=8: {_kernel_problem(8)}")
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise ValueError(f"pack_linears is for models on the CPU; this one has weights on {sorted(devices)}")
@@ -147,18 +180,25 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False) -> nn.Module:
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     # One layer at a time, holding no reference to the replaced ones: the peak is the model as given
     # plus the packed weights, not a float32 copy of every layer on top (12 GB for the 1.5B target).
+    decode: dict[str, WeightOnlyLinear] = {}
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(getattr(parent, child)))
+        linear = getattr(parent, child)
+        if decode_bits:  # int8 of the weight as given, computing in bf16 (the int8 kernel's fast path)
+            bias = None if linear.bias is None else linear.bias.detach().to(torch.bfloat16)
+            decode[name] = WeightOnlyLinear.from_weight(linear.weight.detach().to(torch.bfloat16), bias, 8, name=name)
+        setattr(parent, child, PackedLinear(linear))
     model.to(torch.float32)  # what is left: embeddings, norms, biases of other layers
+    for name, layer in decode.items():  # after the cast, which would turn their bf16 scales to float32
+        model.get_submodule(name).decode = layer
     if head_name in names:
         _untie_config(model)  # the head has its own packed copy now; a later tie_weights() must not re-tie
         # the embedding holds the head's rows in float32: a reduced-vocabulary draft head slices them
         model.get_submodule(head_name).dense_rows = model.get_input_embeddings().weight.detach()
     elif kept is not None:
         model.get_output_embeddings().dense_rows = kept  # as loaded (bf16 -> float32 is exact when sliced)
-    logger.info("packed %d Linear layers as float32 for oneDNN", len(names))
+    logger.info("packed %d Linear layers as float32 for oneDNN%s", len(names), " with int8 decode copies" if decode else "")
     return model
 
 

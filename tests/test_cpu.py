@@ -121,6 +121,69 @@ def test_a_packed_tied_head_restricted_to_a_vocabulary_subset():
     assert rel_err(restricted[..., inside], full[..., inside]) < 1e-5
 
 
+def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():
+    """pack_linears(decode_bits=8): inputs of at most DECODE_ROWS rows get exactly the int8 weight-only
+    layer of the weight as given (bf16 compute), wider ones exactly the packed float32 weight. A copy of
+    the wrong weight (another layer's) would fail the closeness check: int8 is within 2% of float32 here."""
+    from hf_specdec.quantize import WeightOnlyLinear
+
+    base = tiny_model("qwen2", seed=5).to(torch.bfloat16)
+    linear = base.model.layers[0].mlp.up_proj
+    int8 = WeightOnlyLinear.from_weight(linear.weight.detach().clone(), None, 8)
+    dense = linear.weight.detach().float().clone()
+    model = pack_linears(base, decode_bits=8)
+    layer = model.model.layers[0].mlp.up_proj
+    assert isinstance(layer.decode, WeightOnlyLinear) and layer.decode.compute_dtype == torch.bfloat16
+    assert all(m.decode is not None for m in model.modules() if isinstance(m, PackedLinear))
+    packed_only = copy.deepcopy(layer)
+    packed_only.decode = None
+    gen = torch.Generator().manual_seed(0)
+    few, many = torch.randn(1, cpu.DECODE_ROWS, 32, generator=gen), torch.randn(1, cpu.DECODE_ROWS + 1, 32, generator=gen)
+    with torch.no_grad():
+        out_few, out_many = layer(few), layer(many)
+        assert out_few.dtype == out_many.dtype == torch.float32
+        assert torch.equal(out_few, int8(few.to(torch.bfloat16)).float())
+        assert not torch.equal(out_few, packed_only(few))  # int8 rounds differently from float32
+        assert torch.equal(out_many, packed_only(many))
+        assert rel_err(out_few, few @ dense.T) < 0.02
+        # the whole model: a one-token step through the copies stays close to the packed model's
+        ids = IDS[:1, :1]
+        assert rel_err(model(ids).logits, without_copies(model)(ids).logits) < 0.05
+    with pytest.raises(ValueError, match="decode_bits must be None or 8"):
+        pack_linears(tiny_model("llama"), decode_bits=4)
+
+
+def without_copies(model):
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if isinstance(module, PackedLinear):
+            module.decode = None
+    return twin
+
+
+@pytest.mark.parametrize("trees", [True, False])
+def test_a_packed_draft_with_int8_copies_drafts_with_them_and_decoding_stays_exact(trees):
+    """The draft's one-token steps go through its int8 copies and its prompt encoding through the packed
+    weights; greedy output equals plain greedy (q is whatever the draft computed)."""
+    target = tiny_model("qwen2", seed=3)
+    draft = perturbed(target, 0.3).to(torch.bfloat16)
+    pack_linears(target)
+    pack_linears(draft, decode_bits=8)
+    rows, copy_calls = [], []  # input rows of every call to one of the draft's layers; those its int8 copy took
+    layer = draft.model.layers[0].mlp.up_proj
+    layer.register_forward_pre_hook(lambda m, args: rows.append(args[0].reshape(-1, 32).shape[0]))
+    layer.decode.register_forward_pre_hook(lambda m, args: copy_calls.append(args[0].shape[0]))
+    prompt = torch.tensor([[1, 5, 2, 7, 9, 4, 11, 3]])
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+                          max_new_tokens=40, tree=trees, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, plain)
+    assert out.acceptance.drafted > 0 and out.acceptance.accepted > 0
+    assert copy_calls and all(n <= cpu.DECODE_ROWS for n in copy_calls)  # the int8 copy drafted
+    assert len(copy_calls) == sum(n <= cpu.DECODE_ROWS for n in rows)  # and took every few-row call
+    assert max(rows) > cpu.DECODE_ROWS  # the prompt's encoding went through the packed weight
+
+
 def test_bad_models_are_refused_with_the_reason(monkeypatch):
     with pytest.raises(ValueError, match="for models on the CPU; this one has weights on \\['meta'\\]"):
         pack_linears(tiny_model("llama").to("meta"))
@@ -167,5 +230,5 @@ def test_cli_times_the_packed_target_and_the_target_as_loaded(tmp_path, capsys):
           "--max-new-tokens", "12", "--threads", "1", "--pack", "yes"])
     out = capsys.readouterr().out
     assert "plain decoding (packed):" in out and "plain, target as loaded:" in out and "speedup over it:" in out
-    assert "the draft is packed like the target, not quantized; --draft-bits 8 ignored" in out
+    assert "the draft is packed like the target with int8 copies for its one-token steps" in out
     assert "identical to plain greedy: True" in out

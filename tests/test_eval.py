@@ -398,6 +398,31 @@ def test_batch_widths_arithmetic():
     assert best_chain_speedup(1.0, 0.0, max_k=4) == 5.0
 
 
+def test_packed_eval_pair_gives_int8_copies_to_hf_specdec_alone():
+    """--pack with --draft-bits 8: hf_specdec's draft ("hf") has int8 copies for its one-token steps, the
+    draft the other methods take ("bf16": assisted, hf_bf16_draft) has none and shares the packed
+    weights; --draft-bits 16: one packed draft without copies for all."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    from common import drafts_by_precision, load_pair
+
+    from hf_specdec.cpu import PackedLinear, packing_problem
+
+    if packing_problem():
+        pytest.skip(packing_problem())
+
+    def copies(model):
+        return [m.decode is not None for m in model.modules() if isinstance(m, PackedLinear)]
+
+    _, draft, _ = load_pair("tiny", "tiny", "cpu", pack=True)
+    drafts = drafts_by_precision(draft, 16)
+    assert drafts["hf"] is draft and all(copies(draft))
+    assert copies(drafts["bf16"]) and not any(copies(drafts["bf16"]))
+    assert drafts["bf16"].lm_head.packed is draft.lm_head.packed
+    _, draft, _ = load_pair("tiny", "tiny", "cpu", pack=True, draft_bits=16)
+    drafts = drafts_by_precision(draft, 16)
+    assert drafts["bf16"] is drafts["hf"] is draft and not any(copies(draft))
+
+
 def test_estimate_bias_tally():
     """evals/estimate_bias.py: per kind of round, accepted and estimated tokens per round, and their
     ratio over the rounds that carry an estimate."""

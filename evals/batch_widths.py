@@ -59,7 +59,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--draft", default=None, help="also time this draft's one-column step at each batch size")
-    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8, help="weight-only quantization of the draft")
+    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
+                        help="weight-only quantization of the draft (with --pack: 8 gives the packed draft int8 copies for its steps)")
     parser.add_argument("--acceptance", type=float, default=0.75, help="per-token acceptance for the best-speedup line")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--pack", action="store_true", help=PACK_HELP)
@@ -77,7 +78,11 @@ def main(argv=None) -> dict:
     draft = None
     if args.draft:
         draft, _ = load_model(args.draft)
-        draft = pack_linears(draft.eval(), keep_head_rows=bool(args.draft_vocab_size)) if args.pack else drafts_by_precision(draft.eval(), args.draft_bits)["hf"]
+        if args.pack:  # as the other eval scripts pack hf_specdec's draft: with int8 copies under --draft-bits 8
+            draft = pack_linears(draft.eval(), keep_head_rows=bool(args.draft_vocab_size),
+                                 decode_bits=8 if args.draft_bits == 8 else None)
+        else:
+            draft = drafts_by_precision(draft.eval(), args.draft_bits)["hf"]
         if args.draft_vocab_size:  # the reduced head alone (generate adds the prompt's ids and EOS to the subset)
             if not (args.pack or args.draft_bits == 8):
                 parser.error("--draft-vocab-size times a packed (--pack) or int8 (--draft-bits 8) draft head")

@@ -108,6 +108,8 @@ class TopTokenProposer(CandidateGenerator):
         return ids, None
 
 
+@pytest.mark.slow  # ~70 s; the default tier checks the same chain rule with model drafts in
+# test_adaptive_draft_lengths_are_exact (same law and processors, lengths 1-3) and the large-vocabulary test
 def test_sampling_is_exact(pair):
     target, draft, law = pair
     statistic, dof, pvalue = chi_square_against(law, sample_sequences(target, 0, **spec_kwargs(draft)))
@@ -115,6 +117,7 @@ def test_sampling_is_exact(pair):
     assert pvalue > ALPHA
 
 
+@pytest.mark.slow  # ~33 s; checks the test's enumeration (the reference law), not the library
 def test_the_reference_law_is_what_plain_sampling_draws(pair):
     """Validates the enumeration (and so the processor order) against transformers' own sampler."""
     target, _, law = pair

@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
-from common import PACK_HELP, drafts_by_precision, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import PACK_HELP, hf_draft, load_pair, load_prompts, speedup_over_plain  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
 BATCH_CATEGORIES = ("mt_bench", "translation", "qa", "math_reasoning", "humaneval")  # short prompts
@@ -288,7 +288,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
-    draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
+    draft = hf_draft(draft, 16 if args.pack else args.draft_bits)
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
     out = Path(args.out)

@@ -33,7 +33,7 @@ from hf_specdec.cpu import pack_linears  # noqa: E402
 from hf_specdec.pair import TARGET, load_model  # noqa: E402
 from hf_specdec.proposals.draft_model import VocabularySubsetHead  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
-from common import PACK_HELP, drafts_by_precision  # noqa: E402
+from common import PACK_HELP, hf_draft, pack_draft  # noqa: E402
 
 
 @torch.no_grad()
@@ -78,11 +78,10 @@ def main(argv=None) -> dict:
     draft = None
     if args.draft:
         draft, _ = load_model(args.draft)
-        if args.pack:  # as the other eval scripts pack hf_specdec's draft: with int8 copies under --draft-bits 8
-            draft = pack_linears(draft.eval(), keep_head_rows=bool(args.draft_vocab_size),
-                                 decode_bits=8 if args.draft_bits == 8 else None)
+        if args.pack:  # as the other eval scripts pack hf_specdec's draft (int8 copies under --draft-bits 8)
+            draft = pack_draft(draft.eval(), args.draft_bits, keep_head_rows=bool(args.draft_vocab_size))
         else:
-            draft = drafts_by_precision(draft.eval(), args.draft_bits)["hf"]
+            draft = hf_draft(draft.eval(), args.draft_bits)
         if args.draft_vocab_size:  # the reduced head alone (generate adds the prompt's ids and EOS to the subset)
             if not (args.pack or args.draft_bits == 8):
                 parser.error("--draft-vocab-size times a packed (--pack) or int8 (--draft-bits 8) draft head")

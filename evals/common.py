@@ -114,8 +114,7 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
         from hf_specdec.cpu import pack_linears
 
         pack_linears(target)
-        # draft_vocab_size restricts its head; int8 copies make its one-token steps cheaper
-        pack_linears(draft, keep_head_rows=True, decode_bits=8 if draft_bits == 8 else None)
+        pack_draft(draft, draft_bits)  # draft_vocab_size restricts its head; int8 copies for its steps
     return target, draft, tokenizer
 
 
@@ -124,29 +123,31 @@ PACK_HELP = ("both models in float32 with oneDNN-packed linears (hf_specdec.pack
              "keeps int8 copies for its one-token steps with --draft-bits 8, none with 4 or 16)")
 
 
-def drafts_by_precision(draft, bits: int) -> dict:
-    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (weight-only quantized to `bits`)}.
-    bits 16 (a packed draft): "hf" as given, "bf16" without int8 decode copies if it has any (a copy
-    sharing the packed weights)."""
+def pack_draft(draft, draft_bits: int = 8, keep_head_rows: bool = True):
+    """The draft packed as every eval script packs hf_specdec's: with int8 copies for its one-token
+    steps under `draft_bits` 8, none otherwise; `keep_head_rows` for a reduced-vocabulary head."""
+    from hf_specdec.cpu import pack_linears
+
+    return pack_linears(draft, keep_head_rows=keep_head_rows, decode_bits=8 if draft_bits == 8 else None)
+
+
+def hf_draft(draft, bits: int):
+    """The draft hf_specdec uses: `draft` itself at 16 bits (as loaded, or packed), else a copy
+    weight-only quantized to `bits`."""
     if bits == 16:
-        return {"bf16": without_decode_copies(draft), "hf": draft}
+        return draft
     from hf_specdec.quantize import quantize_weights
 
-    return {"bf16": draft, "hf": quantize_weights(copy.deepcopy(draft), bits)}
+    return quantize_weights(copy.deepcopy(draft), bits)
 
 
-def without_decode_copies(model):
-    """`model` itself if none of its packed layers has an int8 decode copy (`pack_linears(decode_bits=8)`),
-    else a copy (packed weights shared) whose layers all take the packed weight."""
-    from hf_specdec.cpu import PackedLinear
+def drafts_by_precision(draft, bits: int) -> dict:
+    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (`hf_draft`)}. bits 16 (a packed
+    draft): "bf16" without int8 decode copies if it has any (a copy sharing the packed weights). Callers
+    that need only "hf" call `hf_draft` (no copy made)."""
+    from hf_specdec.cpu import without_decode_copies
 
-    if not any(isinstance(m, PackedLinear) and m.decode is not None for m in model.modules()):
-        return model
-    twin = copy.deepcopy(model)
-    for module in twin.modules():
-        if isinstance(module, PackedLinear):
-            module.decode = None
-    return twin
+    return {"bf16": without_decode_copies(draft) if bits == 16 else draft, "hf": hf_draft(draft, bits)}
 
 
 # ---------------------------------------------------------------- timing

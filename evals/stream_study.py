@@ -40,7 +40,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from batch_study import BATCH_CATEGORIES, batch_prompts, divergences, left_pad, length_distribution  # noqa: E402
-from common import PACK_HELP, drafts_by_precision, load_pair  # noqa: E402
+from common import PACK_HELP, hf_draft, load_pair  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 
 
@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
-    draft = drafts_by_precision(draft, 16 if args.pack else args.draft_bits)["hf"]
+    draft = hf_draft(draft, 16 if args.pack else args.draft_bits)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     chosen = batch_prompts(tokenizer, args.categories, args.prompts)

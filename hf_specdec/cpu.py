@@ -204,6 +204,20 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: in
     return model
 
 
+def without_decode_copies(model: nn.Module) -> nn.Module:
+    """`model` itself if none of its packed layers has an int8 decode copy (`pack_linears(decode_bits=8)`),
+    else a copy (packed weights and copies shared, never written) whose layers all take the packed weight."""
+    if not any(isinstance(m, PackedLinear) and m.decode is not None for m in model.modules()):
+        return model
+    import copy
+
+    twin = copy.deepcopy(model)
+    for module in twin.modules():
+        if isinstance(module, PackedLinear):
+            module.decode = None
+    return twin
+
+
 @torch.no_grad()
 def multi_token_cost(model: nn.Module, width: int = 5, context: int = 8, repeats: int = 2) -> float:
     """What a forward over `width` new tokens costs, in one-token steps, after `context` cached tokens

@@ -153,7 +153,7 @@ def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():
         assert rel_err(out_few, few @ dense.T) < 0.02
         # the whole model: a one-token step through the copies stays close to the packed model's
         ids = IDS[:1, :1]
-        assert rel_err(model(ids).logits, without_copies(model)(ids).logits) < 0.05
+        assert rel_err(model(ids).logits, cpu.without_decode_copies(model)(ids).logits) < 0.05
         # a reduced-vocabulary head keeps the copy's rows (draft_vocab_size on such a draft)
         index, hidden = torch.tensor([40, 3, 17, 0]), torch.randn(1, 2, 32, generator=gen)
         subset = model.lm_head.select_outputs(index)
@@ -161,14 +161,6 @@ def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():
         assert torch.allclose(subset(hidden), model.lm_head(hidden)[..., index], rtol=1e-2, atol=1e-3)
     with pytest.raises(ValueError, match="decode_bits must be None or 8"):
         pack_linears(tiny_model("llama"), decode_bits=4)
-
-
-def without_copies(model):
-    twin = copy.deepcopy(model)
-    for module in twin.modules():
-        if isinstance(module, PackedLinear):
-            module.decode = None
-    return twin
 
 
 @pytest.mark.parametrize("trees", [True, False])

@@ -211,6 +211,8 @@ def batch_laws(pair):
     return [exact_joint(target, torch.tensor([p])) for p in BATCH_PROMPTS]
 
 
+@pytest.mark.slow  # ~85 s; in the default tier the mixed batch below (draft rows at adaptive lengths, left-padded,
+# beside lookup rows) checks per-row exactness of batched model drafts
 def test_batched_sampling_is_exact_per_row(pair, batch_laws):
     target, draft, _ = pair
     per_row = sample_batched(target, 5, **spec_kwargs(draft))

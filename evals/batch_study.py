@@ -288,7 +288,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
-    draft = hf_draft(draft, 16 if args.pack else args.draft_bits)
+    draft = hf_draft(draft, args.draft_bits)
     prompts = batch_prompts(tokenizer, args.categories, max(max(args.batch_sizes), args.prompts_per_size))
     target.generate(torch.tensor([prompts[0]["input_ids"]], device=target.device), max_new_tokens=4)  # warm-up
     out = Path(args.out)

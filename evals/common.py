@@ -132,9 +132,11 @@ def pack_draft(draft, draft_bits: int = 8, keep_head_rows: bool = True):
 
 
 def hf_draft(draft, bits: int):
-    """The draft hf_specdec uses: `draft` itself at 16 bits (as loaded, or packed), else a copy
-    weight-only quantized to `bits`."""
-    if bits == 16:
+    """The draft hf_specdec uses: `draft` itself at 16 bits or when packed (`load_pair(pack=True)`
+    packed it as `bits` asks), else a copy weight-only quantized to `bits`."""
+    from hf_specdec.cpu import PackedLinear
+
+    if bits == 16 or any(isinstance(m, PackedLinear) for m in draft.modules()):
         return draft
     from hf_specdec.quantize import quantize_weights
 
@@ -142,12 +144,12 @@ def hf_draft(draft, bits: int):
 
 
 def drafts_by_precision(draft, bits: int) -> dict:
-    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (`hf_draft`)}. bits 16 (a packed
-    draft): "bf16" without int8 decode copies if it has any (a copy sharing the packed weights). Callers
-    that need only "hf" call `hf_draft` (no copy made)."""
+    """{"bf16": the draft as loaded, "hf": the one hf_specdec uses (`hf_draft`)}. A packed draft with
+    int8 decode copies: "bf16" is a copy without them (sharing the packed weights). Callers that need
+    only "hf" call `hf_draft` (no copy made)."""
     from hf_specdec.cpu import without_decode_copies
 
-    return {"bf16": without_decode_copies(draft) if bits == 16 else draft, "hf": hf_draft(draft, bits)}
+    return {"bf16": without_decode_copies(draft), "hf": hf_draft(draft, bits)}
 
 
 # ---------------------------------------------------------------- timing

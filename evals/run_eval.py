@@ -588,7 +588,7 @@ def main(config: EvalConfig) -> dict | None:
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack,
                                          config.draft_bits)
-    drafts = drafts_by_precision(draft, 16 if config.pack else config.draft_bits)
+    drafts = drafts_by_precision(draft, config.draft_bits)
     if config.second_draft is not None:
         second, _ = load_second_draft(config.second_draft, target, tokenizer)
         drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]

@@ -142,7 +142,7 @@ def main(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
-    draft = hf_draft(draft, 16 if args.pack else args.draft_bits)
+    draft = hf_draft(draft, args.draft_bits)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     eos_id = tokenizer.eos_token_id
     chosen = batch_prompts(tokenizer, args.categories, args.prompts)

@@ -421,14 +421,16 @@ def test_packed_eval_pair_gives_int8_copies_to_hf_specdec_alone():
     def copies(model):
         return [m.decode is not None for m in model.modules() if isinstance(m, PackedLinear)]
 
+    # as run_eval calls them: the same draft_bits for load_pair and drafts_by_precision
     _, draft, _ = load_pair("tiny", "tiny", "cpu", pack=True)
-    drafts = drafts_by_precision(draft, 16)
-    assert drafts["hf"] is draft and all(copies(draft))
+    drafts = drafts_by_precision(draft, 8)
+    assert drafts["hf"] is draft and all(copies(draft))  # packed: not quantized again
     assert copies(drafts["bf16"]) and not any(copies(drafts["bf16"]))
     assert drafts["bf16"].lm_head.packed is draft.lm_head.packed
-    _, draft, _ = load_pair("tiny", "tiny", "cpu", pack=True, draft_bits=16)
-    drafts = drafts_by_precision(draft, 16)
-    assert drafts["bf16"] is drafts["hf"] is draft and not any(copies(draft))
+    for bits in (16, 4):  # no copies; a packed draft is used as packed whatever the bits
+        _, draft, _ = load_pair("tiny", "tiny", "cpu", pack=True, draft_bits=bits)
+        drafts = drafts_by_precision(draft, bits)
+        assert drafts["bf16"] is drafts["hf"] is draft and not any(copies(draft))
 
 
 def test_estimate_bias_tally():

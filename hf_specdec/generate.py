@@ -363,7 +363,10 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     rate = policy.tree_rate(reach, keep) if keep else 0.0
     if prefill:
         policy.note_retrieval(rate >= policy.expected_draft_rate())
-    draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
+    # The ski-rental wait for a cold draft (`prefill_earned`) hedges against paying its prefill while
+    # retrieval could carry the answer; a round with nothing retrieved has no such alternative, and the
+    # expected-value rule alone (`should_draft`: the prefill spread over the tokens left) decides.
+    draft = policy.should_draft(prefill, room) and (not keep or policy.prefill_earned(prefill))
     if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size],
                                    estimates=[reach[j] for j in keep])
@@ -537,6 +540,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
             tree.retrieval_events(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
+            first_hit=tree.first_from_draft(verdict.path), emitted=emission.counts[0], width=k + 1,
         )
     if proposal.unverified is not None:
         continuation, size = proposal.unverified

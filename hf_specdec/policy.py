@@ -602,16 +602,23 @@ class DraftPolicy:
         num_accepted: list[int],  # per row
         confidences: list[list[float]] | None = None,  # per row, per drafted position (DRAFT rounds)
         match_sizes: list[int] | None = None,  # per row, the n-gram match size (NGRAM rounds)
+        first_hits: list[bool] | None = None,  # per row, whether the draft's first forward was accepted (default: n > 0)
+        rate: float | None = None,  # the round's tokens per unit cost (default: (n + 1) / (1 + k (c + d)))
     ) -> None:
+        """One round: the draft model's estimates from a DRAFT round (first-token and per-token
+        acceptance, calibration, the rate of draft rounds, the probe backoff), the lookup's from an
+        NGRAM round. Every round without the draft model (NONE or NGRAM) counts toward the next probe:
+        a lookup that keeps finding matches must not keep a draft with one bad start off for good.
+        Tree rounds pass `first_hits` (the walk's first node came from the draft's first forward: its
+        token, or the runner-up beside it) and `rate` (the tree's emitted tokens for its cost)."""
         s = self.state
-        if source == NONE:
+        if source != DRAFT:
             s.plain_streak += 1
+            if source == NGRAM:
+                for r, n in enumerate(num_accepted):
+                    self.observe_lookup(num_drafted, n, None if match_sizes is None else match_sizes[r])
             return
         s.plain_streak = 0
-        if source == NGRAM:
-            for r, n in enumerate(num_accepted):
-                self.observe_lookup(num_drafted, n, None if match_sizes is None else match_sizes[r])
-            return
         # The running estimates move as much per round whatever the batch: each of a round's rows
         # counts 1 / rows (at weight w per row, one bad batch-8 round would move them like eight).
         w = self.settings.ema_weight / max(1, len(num_accepted))
@@ -622,22 +629,23 @@ class DraftPolicy:
                 accepted = float(i < n)
                 s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
-                    s.first_acceptance = _ema(s.first_acceptance, accepted, w)
+                    first = accepted if first_hits is None else float(first_hits[r])
+                    s.first_acceptance = _ema(s.first_acceptance, first, w)
                 if confidences is not None:
                     b = min(int(confidences[r][i] * bins), bins - 1)
                     s.calib_accepted[b] += accepted
                     s.calib_reached[b] += 1
-            if source == DRAFT:
-                rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost))
-                s.draft_rate = rate if s.draft_rate is None else _ema(s.draft_rate, rate, w)
-        if source == DRAFT:  # probe backoff: a failed probe doubles the wait, a draft that pays resets it
-            wait = s.probe_wait or self.settings.probe_interval
-            first = sum(n > 0 for n in num_accepted) / max(1, len(num_accepted))  # this round's first-token acceptance
-            if self.drafting_pays() or first > self.cost + self.verify_cost:
-                s.probe_wait = 0
-            elif s.probing:
-                s.probe_wait = min(self.settings.max_probe_interval, math.ceil(wait * self.settings.probe_backoff))
-            s.probing = False
+            row_rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost)) if rate is None else rate
+            s.draft_rate = row_rate if s.draft_rate is None else _ema(s.draft_rate, row_rate, w)
+        # probe backoff: a failed probe doubles the wait, a draft that pays resets it
+        wait = s.probe_wait or self.settings.probe_interval
+        hits = [n > 0 for n in num_accepted] if first_hits is None else first_hits
+        first = sum(hits) / max(1, len(hits))  # this round's first-token acceptance
+        if self.drafting_pays() or first > self.cost + self.verify_cost:
+            s.probe_wait = 0
+        elif s.probing:
+            s.probe_wait = min(self.settings.max_probe_interval, math.ceil(wait * self.settings.probe_backoff))
+        s.probing = False
 
     def observe_lookup(self, num_drafted: int, num_accepted: int, size: int | None) -> None:
         """One row's n-gram proposal of `num_drafted` tokens, `num_accepted` of them accepted, after a
@@ -666,12 +674,22 @@ class DraftPolicy:
         # root's; whether one of them was accepted), as `Tree.retrieval_events` gives them
         retrieval: list[tuple[int, bool]],
         match_size: int | None = None,  # the size of the n-gram match the retrieved branches follow
+        first_hit: bool | None = None,  # the walk's first node came from the draft's first forward (default: chain_accepted > 0)
+        emitted: int | None = None,  # tokens the round emitted (accepted path and the extra token)
+        width: int | None = None,  # columns of the verifying forward (the pending token and every node)
     ) -> None:
-        """A tree round: the draft chain is scored as a draft round; each retrieval event updates the
-        per-token acceptance of retrievals."""
-        s, w = self.state, self.settings.ema_weight
+        """A tree round: the draft chain is scored as a draft round, with the draft's first forward
+        counted as accepted when the walk took its token or the runner-up beside it (a runner-up the
+        target takes is a draft that paid, not one that failed), and the round's rate, for comparison
+        with retrieval alone, from what the whole tree emitted for its cost; each retrieval event
+        updates the per-token acceptance of retrievals. A tree without the draft counts toward the next probe."""
         if chain:
-            self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences])
-        s.plain_streak = 0
+            rate = None
+            if emitted is not None and width is not None:
+                rate = emitted / (chain * self.cost + self.verify_width_cost(width))
+            self.observe_round(DRAFT, chain, [chain_accepted], None if confidences is None else [confidences],
+                               first_hits=None if first_hit is None else [first_hit], rate=rate)
+        else:
+            self.state.plain_streak += 1
         for depth, accepted in retrieval:
             self._observe_ngram(match_size, float(accepted), depth)

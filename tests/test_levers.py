@@ -79,36 +79,53 @@ def test_policy_falls_back_to_plain_rounds_and_probes_again():
     assert fixed.plan(0) == (DRAFT, 6)
 
 
-def test_batch_lookup_rows_do_not_block_draft_probes():
-    """In a batch, rows with lookups and no draft model: the round still counts toward the draft's
-    next probe (the batched stage calls `observe_lookup` per lookup row, then observe_round(NONE)).
-    Observing those rows as NGRAM rounds reset the count every round, so a batch whose draft had a bad
-    start never drafted again while any row had a match (seen on the real pair at batch 4)."""
+def test_rounds_without_the_draft_count_toward_its_next_probe_lookups_or_not():
+    """Drafting off after a bad start: every round without the draft model counts toward the next
+    probe, whether it took a plain step, verified a lookup (one row, or a batch's lookup rows, which
+    the batched stage observes with `observe_lookup` then observe_round(NONE)) or a retrieval-only
+    tree. Lookup rounds used to reset the count, so a draft with one bad start never ran again while
+    retrieval kept finding matches (seen on the real pair at batch 4, and in single-row tree rounds:
+    qa, math and mt_bench prompts whose draft stopped after three rounds)."""
 
-    def plans(observe_rows) -> list[str]:
-        policy = DraftPolicy(PolicySettings(draft_cost=0.5, verify_cost=0.1, probe_interval=3, rows=4), PolicyState(first_acceptance=0.1))
+    def plans(observe_rows, rows=4) -> list[str]:
+        policy = DraftPolicy(PolicySettings(draft_cost=0.5, verify_cost=0.1, probe_interval=3, rows=rows), PolicyState(first_acceptance=0.1))
         out = []
         for _ in range(5):
             source = DRAFT if policy.should_draft() else NONE
             out.append(source)
             if source == DRAFT:
-                policy.observe_round(DRAFT, 1, [0, 0, 0, 0], [[0.2]] * 4)
-            else:  # two rows look up (one token each, accepted), two take a plain step
+                policy.observe_round(DRAFT, 1, [0] * rows, [[0.2]] * rows)
+            else:  # rows look up (one token each, accepted), or take a plain step
                 observe_rows(policy)
         return out
 
-    def as_the_stage_does(policy):
+    def batch_stage(policy):
         for _ in range(2):
             policy.observe_lookup(1, 1, 2)
         policy.observe_round(NONE, 0, [])
 
-    def as_ngram_rounds(policy):  # the broken order: each lookup row resets the probe count
-        for _ in range(2):
-            policy.observe_round(NGRAM, 1, [1], match_sizes=[2])
-        policy.observe_round(NONE, 0, [])
+    expected = [NONE, NONE, NONE, DRAFT, NONE]
+    assert plans(batch_stage) == expected
+    assert plans(lambda policy: policy.observe_round(NGRAM, 1, [1], match_sizes=[2]), rows=1) == expected
+    assert plans(lambda policy: policy.observe_tree(0, 0, None, [(1, True)], match_size=2), rows=1) == expected
 
-    assert plans(as_the_stage_does) == [NONE, NONE, NONE, DRAFT, NONE]
-    assert DRAFT not in plans(as_ngram_rounds)
+
+def test_a_runner_up_the_target_takes_counts_as_a_draft_that_paid():
+    """Tree rounds with the draft's runner-up beside its first token: when the target takes the
+    runner-up, the draft's first forward paid (first-token acceptance stays up and drafting stays on),
+    and the rate of draft rounds is what the tree emitted for its cost. Counted as a rejection (the
+    chain's token alone), three such rounds turned drafting off on a qa prompt of the real pair."""
+    settings = PolicySettings(draft_cost=0.3, verify_cost=0.08, verify_knee_cost=0.0)
+    rescued, chain_only = DraftPolicy(settings), DraftPolicy(settings)
+    for _ in range(6):  # a one-token chain and its runner-up (width 3): the runner-up taken, two tokens emitted
+        rescued.observe_tree(1, 0, [0.5], [], first_hit=True, emitted=2, width=3)
+        chain_only.observe_tree(1, 0, [0.5], [])
+    assert rescued.drafting_pays() and rescued.state.first_acceptance > 0.9
+    assert not chain_only.drafting_pays()
+    assert rescued.expected_draft_rate() == pytest.approx(2 / (0.3 + 1 + 2 * 0.08))
+    assert chain_only.expected_draft_rate() == pytest.approx(1 / (1 + 0.3 + 0.08))
+    # calibration and per-token acceptance stay the chain token's own: both policies saw it rejected
+    assert rescued.state.token_acceptance == chain_only.state.token_acceptance < 0.7
 
 
 def test_failed_probes_back_off_and_a_paying_draft_resets_the_wait():
@@ -583,6 +600,24 @@ def test_with_retrieval_a_long_prompts_draft_starts_only_after_its_prefill_is_ea
     assert not replay.prefill_earned(256)  # not earned a round earlier ...
     replay.observe_cold_round(len(rounds[first - 1].draft_tokens) + 1, len(rounds[first - 1].emitted_tokens))
     assert replay.prefill_earned(256)  # ... earned by the round before the draft's first
+
+
+def test_with_nothing_retrieved_a_cold_draft_that_pays_starts_at_once(arch):
+    """The ski-rental wait hedges against paying the draft's prefill while retrieval could carry the
+    answer: a tree round with nothing retrieved (a prompt without a repeated token) starts the draft
+    in the first round, as the expected-value rule says. Waiting there took three to seven plain
+    rounds at the start of qa, math and mt_bench prompts on the real pair."""
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, noise=0.1)
+    prompt = torch.randperm(60, generator=torch.Generator().manual_seed(1))[None, :40] + 2  # no token twice
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=12)
+    rounds = []
+    out = spec(target, draft, prompt=prompt, max_new_tokens=12, draft_cost=0.25, verify_cost=0.03,
+               acceptance_sink=rounds.append)
+    assert torch.equal(out.sequences, plain)
+    assert rounds[0].source == DRAFT
+    # the wait itself is intact: a cold draft whose prefill is not earned yet would not have started
+    assert not DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03)).prefill_earned(40)
 
 
 def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):

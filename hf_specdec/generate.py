@@ -364,8 +364,9 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     if prefill:
         policy.note_retrieval(rate >= policy.expected_draft_rate())
     # The ski-rental wait for a cold draft (`prefill_earned`) hedges against paying its prefill while
-    # retrieval could carry the answer; a round with nothing retrieved has no such alternative, and the
-    # expected-value rule alone (`should_draft`: the prefill spread over the tokens left) decides.
+    # retrieval could carry the answer (and before the answer's length is known). A round with no
+    # retrieved node worth verifying has a plain step as its only alternative: the expected-value rule
+    # alone (`should_draft`: the prefill spread over the tokens left) decides, as for one chain a round.
     draft = policy.should_draft(prefill, room) and (not keep or policy.prefill_earned(prefill))
     if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size],
@@ -540,7 +541,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
             tree.retrieval_events(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
-            first_hit=tree.first_from_draft(verdict.path), emitted=emission.counts[0], width=k + 1,
+            first_hit=tree.first_from_draft(verdict.path), emitted=len(verdict.path) + 1, width=k + 1,
         )
     if proposal.unverified is not None:
         continuation, size = proposal.unverified

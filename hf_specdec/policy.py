@@ -14,8 +14,9 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   (1 + sum_{i<=j} P_i) / (1 + j (c + d)). P_j is estimated from the draft's own confidence (its
   probability of the token it proposed), calibrated online against what the target accepted.
 * fall back to plain decoding: a round drafts at all only if the first draft token pays for
-  itself (first-position acceptance > c + d); otherwise it is a plain target step, and after
-  `probe_interval` plain rounds one round drafts again to refresh the estimate. A probe whose own
+  itself (first-position acceptance > c + d; in a tree round, the draft's token or the runner-up
+  beside it taken); otherwise it is a plain target step, and after `probe_interval` rounds without
+  the draft model (plain or lookup) one round drafts again to refresh the estimate. A probe whose own
   first tokens did not pay (accepted in at most a share c + d of the rows) and that leaves drafting
   off doubles the wait before the next one (up to `max_probe_interval`); a draft round that pays
   resets it. A probe costs a draft forward over every row plus a catch-up over the columns the draft
@@ -38,7 +39,10 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   prefill. With retrieval (single rows) and in batches, the draft also waits until the rounds taken
   without it have lost, against a warm draft's expected rate, as much as its prefill costs (ski
   rental: at most twice the cost of the best choice in hindsight): the share, and how long the
-  answers will be, are unknown in the first rounds, when the decision is made.
+  answers will be, are unknown in the first rounds, when the decision is made. A single row waits so
+  only in rounds where retrieval has a node worth verifying; in the others the alternative is a
+  plain step, and the expected-value rule alone decides (as for one chain a round: the hedge on the
+  answer's length is given up there).
 
 Both costs are measured online from the rounds' wall times: c from draft time per draft step over
 the target's one-token step time at that moment (a running ratio, so it holds when rows leave a
@@ -109,7 +113,7 @@ class PolicySettings:
     # to generate times the share of rounds in which retrieval would not beat a warm draft. The share
     # starts from this many pseudo-rounds in which retrieval lost (so one lucky lookup decides nothing).
     retrieval_prior_rounds: float = 2.0
-    probe_interval: int = 8  # plain rounds before drafting is tried again
+    probe_interval: int = 8  # rounds without the draft model (plain or lookup) before drafting is tried again
     # After a probe that leaves drafting off, the wait before the next probe is multiplied by this
     # (exponential backoff), up to max_probe_interval; a draft round that pays restores probe_interval.
     probe_backoff: float = 2.0
@@ -193,7 +197,7 @@ class PolicyState:
     prefill_columns: int = 0
     measured_verify_cost: float | None = None
     costs_seen: bool = False  # a round after the prompt's encoding has been timed
-    probe_wait: int = 0  # plain rounds before the next probe (0: probe_interval; backoff raises it)
+    probe_wait: int = 0  # rounds without the draft before the next probe (0: probe_interval; backoff raises it)
     probing: bool = False  # the draft was asked for as a probe and has not been observed yet
     calib_accepted: list[float] = field(default_factory=list)
     calib_reached: list[float] = field(default_factory=list)
@@ -607,12 +611,14 @@ class DraftPolicy:
     ) -> None:
         """One round: the draft model's estimates from a DRAFT round (first-token and per-token
         acceptance, calibration, the rate of draft rounds, the probe backoff), the lookup's from an
-        NGRAM round. Every round without the draft model (NONE or NGRAM) counts toward the next probe:
-        a lookup that keeps finding matches must not keep a draft with one bad start off for good.
-        Tree rounds pass `first_hits` (the walk's first node came from the draft's first forward: its
-        token, or the runner-up beside it) and `rate` (the tree's emitted tokens for its cost)."""
+        NGRAM round; any other source (a user's drafter, a transformers candidate generator) counts as
+        the draft model. Every round without the draft model (NONE or NGRAM) counts toward the next
+        probe: a lookup that keeps finding matches must not keep a draft with one bad start off for
+        good. Tree rounds (one row) pass `first_hits` (the walk's first node came from the draft's first
+        forward: its token, or the runner-up beside it) and `rate` (the tree's emitted tokens for its
+        cost, for that one row)."""
         s = self.state
-        if source != DRAFT:
+        if source in (NONE, NGRAM):
             s.plain_streak += 1
             if source == NGRAM:
                 for r, n in enumerate(num_accepted):

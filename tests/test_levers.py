@@ -108,6 +108,11 @@ def test_rounds_without_the_draft_count_toward_its_next_probe_lookups_or_not():
     assert plans(batch_stage) == expected
     assert plans(lambda policy: policy.observe_round(NGRAM, 1, [1], match_sizes=[2]), rows=1) == expected
     assert plans(lambda policy: policy.observe_tree(0, 0, None, [(1, True)], match_size=2), rows=1) == expected
+    # any other source is a draft model (a user's drafter, a transformers candidate generator): it is scored
+    custom = DraftPolicy(PolicySettings(draft_cost=0.5, verify_cost=0.1), PolicyState(plain_streak=5))
+    for _ in range(6):
+        custom.observe_round("PromptLookupCandidateGenerator", 1, [0], [[0.2]])
+    assert not custom.drafting_pays() and custom.state.plain_streak == 0
 
 
 def test_a_runner_up_the_target_takes_counts_as_a_draft_that_paid():

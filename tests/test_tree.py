@@ -80,7 +80,7 @@ def test_tree_shape_helpers():
     # root: retrieved children 0, 3 -> went on through 0 (retrieved); node 0: children 1 (not), 5 (retrieved) -> 1
     assert tree.retrieval_events([0, 1]) == [(1, True), (2, False)]
     assert tree.retrieval_events([]) == [(1, False)]
-    # the draft's first forward proposed node 0 (its token) and, in this tree, the runner-up node 6 beside it
+    # the draft's first forward proposed node 0 (its token) and the runner-up node 3 beside it (not retrieved)
     tree = Tree(parents=[-1, 0, -1, -1], chain=2, retrieved=[False, False, True, False])
     assert tree.first_from_draft([0, 1]) and tree.first_from_draft([3]) and not tree.first_from_draft([2])
     assert not tree.first_from_draft([]) and not Tree([-1, -1], 0, [True, True]).first_from_draft([0])

@@ -45,8 +45,10 @@ class SpeculativeConfig:
     # Ski rental for the draft's prefill (single rows with retrieval trees; batches with lookup): a
     # cold draft starts only once the rounds taken without it have lost, against a warm draft's
     # expected rate, this many times what its prefill costs (`hf_specdec.policy.PolicySettings`);
-    # a single row waits only in rounds where retrieval has a node worth verifying. 0: no wait. In batches it took the batch-2 and -4 study from 1.08x / 1.05x to 1.10x / 1.10x
-    # plain batched (evals/results/batch-study/packed-avx2-ski-ab/, one run).
+    # a single row does not wait in a round where retrieval has no node worth verifying and the prefill
+    # is small (`PolicySettings.small_prefill_share`: a short prompt). 0: no wait. In batches it took
+    # the batch-2 and -4 study from 1.08x / 1.05x to 1.10x / 1.10x plain batched
+    # (evals/results/batch-study/packed-avx2-ski-ab/, one run).
     prefill_patience: float = 1.0
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree

@@ -365,9 +365,10 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
         policy.note_retrieval(rate >= policy.expected_draft_rate())
     # The ski-rental wait for a cold draft (`prefill_earned`) hedges against paying its prefill while
     # retrieval could carry the answer (and before the answer's length is known). A round with no
-    # retrieved node worth verifying has a plain step as its only alternative: the expected-value rule
-    # alone (`should_draft`: the prefill spread over the tokens left) decides, as for one chain a round.
-    draft = policy.should_draft(prefill, room) and (not keep or policy.prefill_earned(prefill))
+    # retrieved node worth verifying, whose draft prefill is small against the drafting it serves
+    # (`prefill_is_small`), does not wait: the expected-value rule alone (`should_draft`) decides.
+    waits = bool(keep) or not policy.prefill_is_small(prefill, room)
+    draft = policy.should_draft(prefill, room) and (not waits or policy.prefill_earned(prefill))
     if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size],
                                    estimates=[reach[j] for j in keep])

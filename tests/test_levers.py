@@ -622,7 +622,12 @@ def test_with_nothing_retrieved_a_cold_draft_that_pays_starts_at_once(arch):
     assert torch.equal(out.sequences, plain)
     assert rounds[0].source == DRAFT
     # the wait itself is intact: a cold draft whose prefill is not earned yet would not have started
-    assert not DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03)).prefill_earned(40)
+    policy = DraftPolicy(PolicySettings(draft_cost=0.25, verify_cost=0.03))
+    assert not policy.prefill_earned(40) and policy.prefill_is_small(40, 12)
+    # ... and a prefill that is not small against the drafting it serves still waits, retrieval or not
+    warm = policy.expected_draft_rate()
+    assert policy.prefill_is_small(0, 12) and not policy.prefill_is_small(600, 64)
+    assert policy.expected_draft_rate(600, 64) < 0.9 * warm <= policy.expected_draft_rate(40, 12)
 
 
 def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):

@@ -609,9 +609,10 @@ def test_with_retrieval_a_long_prompts_draft_starts_only_after_its_prefill_is_ea
 
 def test_with_nothing_retrieved_a_cold_draft_that_pays_starts_at_once(arch):
     """The ski-rental wait hedges against paying the draft's prefill while retrieval could carry the
-    answer: a tree round with nothing retrieved (a prompt without a repeated token) starts the draft
-    in the first round, as the expected-value rule says. Waiting there took three to seven plain
-    rounds at the start of qa, math and mt_bench prompts on the real pair."""
+    answer: a tree round with nothing retrieved (a prompt without a repeated token) whose draft
+    prefill is small (a 40-token prompt) starts the draft in the first round, as the expected-value
+    rule says. Waiting there took three to seven plain rounds at the start of qa, math and mt_bench
+    prompts on the real pair."""
     target = tiny_model(arch, seed=11)
     draft = perturbed(target, noise=0.1)
     prompt = torch.randperm(60, generator=torch.Generator().manual_seed(1))[None, :40] + 2  # no token twice

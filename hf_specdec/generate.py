@@ -542,7 +542,7 @@ def observe(state: DecodeState, proposal: Proposal, verdict: Verdict, emission: 
         state.policy.observe_tree(
             tree.chain, tree.chain_accepted(verdict.path), proposal.confidences[0] if proposal.confidences else None,
             tree.retrieval_events(verdict.path), proposal.match_sizes[0] if proposal.match_sizes else None,
-            first_hit=tree.first_from_draft(verdict.path), emitted=len(verdict.path) + 1, width=k + 1,
+            first_hit=bool(verdict.path) and tree.from_draft(verdict.path[0]), emitted=len(verdict.path) + 1, width=k + 1,
         )
     if proposal.unverified is not None:
         continuation, size = proposal.unverified
@@ -597,7 +597,7 @@ def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | 
     if proposal.tree is None:
         return proposal.source_of(i)
     tree = proposal.tree
-    sources = {DRAFT if j < tree.chain or not tree.retrieved[j] else NGRAM for j in path}
+    sources = {DRAFT if tree.from_draft(j) else NGRAM for j in path}
     return f"{DRAFT}+{NGRAM}" if len(sources) == 2 else sources.pop()
 
 

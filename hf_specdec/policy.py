@@ -641,14 +641,14 @@ class DraftPolicy:
         # counts 1 / rows (at weight w per row, one bad batch-8 round would move them like eight).
         w = self.settings.ema_weight / max(1, len(num_accepted))
         bins = self.settings.calibration_bins
+        hits = [n > 0 for n in num_accepted] if first_hits is None else first_hits
         for r, n in enumerate(num_accepted):
             reached = min(n + 1, num_drafted)
             for i in range(reached):
                 accepted = float(i < n)
                 s.token_acceptance = _ema(s.token_acceptance, accepted, w / 2)
                 if i == 0:
-                    first = accepted if first_hits is None else float(first_hits[r])
-                    s.first_acceptance = _ema(s.first_acceptance, first, w)
+                    s.first_acceptance = _ema(s.first_acceptance, float(hits[r]), w)
                 if confidences is not None:
                     b = min(int(confidences[r][i] * bins), bins - 1)
                     s.calib_accepted[b] += accepted
@@ -657,7 +657,6 @@ class DraftPolicy:
             s.draft_rate = row_rate if s.draft_rate is None else _ema(s.draft_rate, row_rate, w)
         # probe backoff: a failed probe doubles the wait, a draft that pays resets it
         wait = s.probe_wait or self.settings.probe_interval
-        hits = [n > 0 for n in num_accepted] if first_hits is None else first_hits
         first = sum(hits) / max(1, len(hits))  # this round's first-token acceptance
         if self.drafting_pays() or first > self.cost + self.verify_cost:
             s.probe_wait = 0

@@ -82,8 +82,8 @@ def test_tree_shape_helpers():
     assert tree.retrieval_events([]) == [(1, False)]
     # the draft's first forward proposed node 0 (its token) and the runner-up node 3 beside it (not retrieved)
     tree = Tree(parents=[-1, 0, -1, -1], chain=2, retrieved=[False, False, True, False])
-    assert tree.first_from_draft([0, 1]) and tree.first_from_draft([3]) and not tree.first_from_draft([2])
-    assert not tree.first_from_draft([]) and not Tree([-1, -1], 0, [True, True]).first_from_draft([0])
+    assert tree.from_draft(0) and tree.from_draft(1) and tree.from_draft(3) and not tree.from_draft(2)
+    assert not Tree([-1, -1], 0, [True, True]).from_draft(0)
     with pytest.raises(ValueError, match="parents must come before"):
         ancestors_mask([1, -1])
 

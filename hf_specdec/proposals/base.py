@@ -94,10 +94,10 @@ class Tree:
             n += 1
         return n
 
-    def first_from_draft(self, path: list[int]) -> bool:
-        """Whether the walk's first accepted node came from the draft's first forward: the chain's
-        first node, or a draft runner-up beside it (a child of the root that no retrieval proposed)."""
-        return bool(path) and self.chain > 0 and self.parents[path[0]] < 0 and (path[0] == 0 or not self.retrieved[path[0]])
+    def from_draft(self, node: int) -> bool:
+        """Whether the draft model proposed `node`: a chain node, or a runner-up beside one (a node no
+        retrieval proposed). For the walk's first node: whether the draft's first forward paid."""
+        return node < self.chain or not self.retrieved[node]
 
     def retrieval_events(self, path: list[int]) -> list[tuple[int, bool]]:
         """Per node the walk reached (the root, then each accepted node) that has retrieved children:

@@ -239,8 +239,22 @@ def extend_tree(
 
 def keep_path(cache: Cache, length: int, path: list[int], nodes: int) -> None:
     """After a tree forward (the cache holds `length` sequence columns, then `nodes` tree columns),
-    keep the sequence and the accepted nodes `path` (root first), in that order. Requires
-    `can_gather([cache])`."""
-    device = cache.layers[0].keys.device
-    order = torch.cat([torch.arange(length, device=device), length + torch.tensor(path, dtype=torch.long, device=device)])
-    gather_columns([cache], order[None], cached=length + nodes)
+    keep the sequence and the accepted nodes `path` (root first), in that order. Only the tree's
+    columns move: the accepted ones are copied to the front of the tree's columns (nothing is copied
+    when they are there already, a path down the first children) and the rest is cut off, so a round
+    costs O(path) copies, not a copy of the whole cache. Requires `can_gather([cache])`."""
+    if cache.get_seq_length() != length + nodes:
+        raise RuntimeError(f"keep_path expects {length} + {nodes} cached columns, the cache holds {cache.get_seq_length()}")
+    kept = length + len(path)
+    if path != list(range(len(path))):
+        columns = torch.tensor([length + node for node in path], dtype=torch.long)
+        on: dict[torch.device, torch.Tensor] = {}  # the indices on each layer's device (a model split over devices)
+        for layer in cache.layers:
+            if layer.keys is None or layer.keys.numel() == 0:
+                continue
+            source = on.setdefault(layer.keys.device, columns.to(layer.keys.device))
+            # index_select copies the accepted columns out before they are written over (a path's
+            # j-th node sits at or after column length + j, so source and destination may overlap)
+            layer.keys[:, :, length:kept] = layer.keys.index_select(2, source)
+            layer.values[:, :, length:kept] = layer.values.index_select(2, source)
+    rollback([cache], kept)

@@ -53,8 +53,12 @@ class SpeculativeConfig:
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree
     # attention mask; the cost model keeps the nodes that pay, at most tree_max_nodes. False: one
-    # chain per round from one source.
-    tree: bool = True
+    # chain per round from one source. None (default): trees for greedy decoding, chains when
+    # sampling. Measured on the real pair (standard preset, T = 0.7, top-p 0.95, packed, one run,
+    # evals/results/sampling-trees-vs-chains/): chains 1.17x [1.07, 1.31] the speed of trees, paired
+    # over 35 prompts (1.16x modelled), ahead in 6 of 7 categories; in greedy decoding trees are level by
+    # wall and 4% ahead modelled (evals/results/greedy-probe-fix/). True: trees when sampling too.
+    tree: bool | None = None
     tree_max_branches: int = 8
     tree_max_nodes: int = 24
     # Reduced-vocabulary draft head: the draft proposes only token ids below this (the tokenizer's
@@ -98,6 +102,8 @@ class SpeculativeConfig:
             raise ValueError(f"prefill_patience must be >= 0, got {self.prefill_patience!r}")
         if self.ngram_max_tokens < 1:
             raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
+        if self.tree is not None and not isinstance(self.tree, bool):
+            raise ValueError(f"tree must be True, False or None (trees for greedy decoding only), got {self.tree!r}")
         if self.tree_max_branches < 1 or self.tree_max_nodes < 1:
             raise ValueError(
                 f"tree_max_branches and tree_max_nodes must be >= 1, got {self.tree_max_branches} and {self.tree_max_nodes}"

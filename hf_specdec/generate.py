@@ -657,7 +657,8 @@ def _start(
     decides_on_time = policy.measures_time and (policy.settings.adaptive or use_lookup)
     cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
-    trees = config.tree and use_lookup and rows == 1 and unpadded and can_gather((cache, drafter.cache))
+    wants_trees = (not generation_config.do_sample) if config.tree is None else config.tree  # None: greedy only
+    trees = wants_trees and use_lookup and rows == 1 and unpadded and can_gather((cache, drafter.cache))
     lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees), config.ngram_max_tokens) if use_lookup else None
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "

@@ -229,6 +229,30 @@ def test_tree_forward_gives_each_branch_its_own_logits_and_keeps_the_accepted_br
     torch.testing.assert_close(continued, reference, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("path", [[0, 1, 5], [0, 1], [3, 4], [2], []])
+@torch.no_grad()
+def test_keep_path_keeps_the_sequence_and_the_path_in_place(path):
+    """keep_path leaves the sequence's columns where they are (no copy of the whole cache each round)
+    and ends the cache with the path's columns, in path order."""
+    model = tiny_model("llama", vocab=64, seed=3)
+    prompt = torch.tensor([[1, 9, 4, 17, 9, 4]])
+    tokens, parents = [5, 6, 7, 8, 11, 12], [-1, 0, 0, -1, 3, 1]
+    cache = new_cache(model)
+    model(input_ids=prompt[:, :-1], cache=cache, use_cache=True)
+    extend_tree(model, cache, prompt, torch.tensor([tokens]), ancestors_mask(parents), depths(parents))
+    length = prompt.shape[1]
+    before = [(layer.keys.clone(), layer.values.clone(), layer.keys.data_ptr()) for layer in cache.layers]
+    keep_path(cache, length, path, len(tokens))
+    order = list(range(length)) + [length + node for node in path]
+    assert cache.get_seq_length() == length + len(path)
+    for layer, (keys, values, pointer) in zip(cache.layers, before):
+        torch.testing.assert_close(layer.keys, keys[:, :, order], rtol=0, atol=0)
+        torch.testing.assert_close(layer.values, values[:, :, order], rtol=0, atol=0)
+        assert layer.keys.data_ptr() == pointer  # the same storage: only the tree's columns were written
+    with pytest.raises(RuntimeError, match="cached columns"):
+        keep_path(cache, length, path, len(tokens))  # the tree's columns are gone: a second call is a bug
+
+
 # ---------------------------------------------------------------- generate with trees
 
 REPETITIVE = torch.tensor([[1, 5, 2, 9, 1, 5, 3, 8, 1, 5, 4, 6, 7, 1, 5]])  # (1, 5) seen thrice: three branches
@@ -275,6 +299,24 @@ def test_trees_switch_off_for_batches_and_tree_false():
     assert all(r.parents is None for r in records)
     with pytest.raises(ValueError, match="tree_max_nodes"):
         hf_specdec.SpeculativeConfig(tree_max_nodes=0)
+
+
+def test_trees_by_default_for_greedy_decoding_chains_when_sampling():
+    """tree=None (the default): trees in greedy calls, chains in sampling calls (measured slower there
+    on the real pair); tree=True asks for trees when sampling too."""
+    target = tiny_model("llama", vocab=16, seed=4)
+    draft = perturbed(target, noise=0.2)
+    assert hf_specdec.SpeculativeConfig().tree is None
+    with pytest.raises(ValueError, match="tree must be"):
+        hf_specdec.SpeculativeConfig(tree="yes")
+    _, records = _tree_records(target, draft, REPETITIVE, do_sample=False)
+    assert any(r.parents is not None for r in records)
+    torch.manual_seed(0)
+    _, records = _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=0.7)
+    assert records and all(r.parents is None for r in records)
+    torch.manual_seed(0)
+    _, records = _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=0.7, tree=True)
+    assert any(r.parents is not None for r in records)
 
 
 def test_trees_stop_exactly_at_eos_and_max_new_tokens():

@@ -1,11 +1,12 @@
 """KV caches: feeding a model the tokens its cache has not seen, and every change made to a cache.
 
 Both models keep a `DynamicCache` that always holds a prefix of the work sequence. A model is only
-ever fed the tokens past that prefix (`extend`), so no prefix is re-encoded. The three other changes
+ever fed the tokens past that prefix (`extend`), so no prefix is re-encoded. The other changes
 a speculative loop makes live here and nowhere else:
   * `rollback`: after verification, cut every cache back to the columns that survived;
   * `select_rows`: finished rows leave the batch (and the caches);
   * `gather_columns`: compaction, each row's real columns gathered to the right (see batch.py);
+  * `keep_path`: after a tree forward, the accepted branch's columns moved behind the sequence's;
   * `hide_prefix`: a windowed draft's cache gets zero columns in front, which its mask hides;
   * `pad_front`, `add_row`, `clear`: continuous batching, a new row joins a running batch (see continuous.py).
 """

@@ -56,7 +56,8 @@ class SpeculativeConfig:
     # chain per round from one source. None (default): trees for greedy decoding, chains when
     # sampling. Measured on the real pair (standard preset, T = 0.7, top-p 0.95, packed, one run,
     # evals/results/sampling-trees-vs-chains/): chains 1.17x [1.07, 1.31] the speed of trees, paired
-    # over 35 prompts (1.16x modelled), ahead in 6 of 7 categories; in greedy decoding trees are level by
+    # over 35 prompts (1.16x modelled), ahead in 6 of 7 categories; a second run 1.06x [0.97, 1.18]
+    # (1.09x modelled, evals/results/sampling-default/); in greedy decoding trees are level by
     # wall and 4% ahead modelled (evals/results/greedy-probe-fix/). True: trees when sampling too.
     tree: bool | None = None
     tree_max_branches: int = 8

@@ -1,7 +1,8 @@
 """Deterministic replay (pinned costs) of hf_specdec variants on a recorded run's prompts; work priced with
 that run's cost table; compared with the recorded methods' modelled seconds.
-usage: replay.py FOLDER cats VARIANT_JSON [VARIANT_JSON ...]   e.g. '{}' '{"ngram_max_size": 8}'"""
-import json, sys, math, statistics, torch, time
+usage (from the repository root): python evals/results/greedy-lookup-replays/replay_variants.py FOLDER CATS VARIANT_JSON ...
+a variant is an eval ablation's settings: '{}' (the code as it is), '{"config": {"ngram_max_size": 8}}'"""
+import json, sys, math, statistics, torch
 torch.set_num_threads(2)
 sys.path.insert(0, "evals")
 from pathlib import Path
@@ -33,8 +34,7 @@ for pr in plain:
     line = [f"{pr['category'][:8]:8} {pr['id']:>14} P{ids.shape[1]:5}"]
     for name, v in zip(names, variants):
         for t in timers.values(): t.take()
-        t0 = time.perf_counter()
-        seqs, seconds, stats, rounds, _ = run_eval.run_method(name, target, drafts, ids, MODES["greedy"], 64, None, 0, pins)
+        seqs, _, stats, rounds, _ = run_eval.run_method(name, target, drafts, ids, MODES["greedy"], 64, None, 0, pins)
         work = {k: w for k, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}
         ms = table.modelled_seconds(work, "greedy", "hf_specdec")
         same = seqs[0, ids.shape[1]:].tolist() == rec[(pr["id"], "plain")]["tokens"]

@@ -69,8 +69,9 @@ class CostTable:
 
     def pinned_costs(self, context: int, draft: str = "hf") -> dict[str, float]:
         """hf_specdec's cost-model inputs at `context`: c = draft step / target step, d = the
-        least-squares slope of target forward time against width up to 9 tokens, and e = the slope
-        from 9 tokens to the widest measured, less d; all over the target step."""
+        least-squares slope of target forward time against width up to 9 tokens, e = the slope
+        from 9 tokens to the widest measured, less d, and the verify curve: every width's price up
+        to the widest measured (`price_by_width`); all over the target step."""
         step = self.forward("target", 1, context)
         xs = [w - 1 for w in self.widths if w <= 9]
         ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
@@ -82,7 +83,9 @@ class CostTable:
         if len(wide) > 1:
             rise = self.forward("target", wide[-1], context) - self.forward("target", wide[0], context)
             knee = max(0.0, rise / (wide[-1] - wide[0]) / step - d)
-        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee)
+        curve = tuple(round(self.forward("target", w, context) / step, 4) for w in range(1, self.widths[-1] + 1))
+        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee,
+                    verify_curve=curve)
 
     def alias(self, name: str, like: str) -> None:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""
@@ -118,44 +121,55 @@ def _interp(xs: list[int], ys: list[float], x: float) -> float:
 
 
 @torch.no_grad()
-def _time_forward(model, cache, ids: torch.Tensor, reps: int, logits: int) -> float:
-    """Median seconds of `model` over `ids` [1, w] on top of `cache` (cut back after each), computing
-    logits at the last `logits` positions."""
+def _time_forward(model, cache, ids: torch.Tensor, logits: int) -> float:
+    """Seconds of one forward of `model` over `ids` [1, w] on top of `cache` (cut back after it),
+    computing logits at the last `logits` positions."""
     from hf_specdec.cache import rollback
 
-    base, times = cache.get_seq_length(), []
-    for _ in range(reps):
-        start = time.perf_counter()
-        model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits)
-        if ids.device.type == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-        rollback([cache], base)
-    return statistics.median(times)
+    base = cache.get_seq_length()
+    start = time.perf_counter()
+    model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits)
+    if ids.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    rollback([cache], base)
+    return seconds
 
 
 def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Generator, all_logits: bool) -> list[list[float]]:
-    """[context][width] seconds. A verifying target scores every new token (`all_logits`); a draft
+    """[context][width] seconds: the median of `reps` passes over the whole grid (one forward per
+    cell a pass), so that a slow spell of a shared machine lands in one pass, not in all of one
+    cell's timings (three back-to-back timings a cell had priced a 64-token context's one-token step
+    at 1.6 times the next cell's). A verifying target scores every new token (`all_logits`); a draft
     catching up on several tokens scores only the last."""
     from hf_specdec.cache import new_cache
 
-    grid = []
+    device, caches = model.device, []
     for context in contexts:
         cache = new_cache(model)
-        device = model.device
         model(input_ids=torch.randint(4, vocab, (1, context), generator=gen).to(device), cache=cache, use_cache=True,
               logits_to_keep=1)
-        grid.append([_time_forward(model, cache, torch.randint(4, vocab, (1, w), generator=gen).to(device), reps,
-                                   logits=w if all_logits else 1) for w in widths])
-    return grid
+        caches.append(cache)
+    ids = {w: torch.randint(4, vocab, (1, w), generator=gen).to(device) for w in widths}
+    times = [[[] for _ in widths] for _ in contexts]
+    for _ in range(reps):
+        for i, cache in enumerate(caches):
+            for j, w in enumerate(widths):
+                times[i][j].append(_time_forward(model, cache, ids[w], logits=w if all_logits else 1))
+    return [[statistics.median(cell) for cell in row] for row in times]
 
 
 def _prefills(model, vocab: int, lengths, reps: int, gen: torch.Generator) -> list[float]:
-    """Seconds of a forward from an empty cache over n tokens, with logits at the last position only."""
+    """Seconds of a forward from an empty cache over n tokens, with logits at the last position only
+    (the median of `reps` passes over the lengths)."""
     from hf_specdec.cache import new_cache
 
-    return [_time_forward(model, new_cache(model), torch.randint(4, vocab, (1, n), generator=gen).to(model.device),
-                          reps, logits=1) for n in lengths]
+    ids = {n: torch.randint(4, vocab, (1, n), generator=gen).to(model.device) for n in lengths}
+    times = {n: [] for n in lengths}
+    for _ in range(reps):
+        for n in lengths:
+            times[n].append(_time_forward(model, new_cache(model), ids[n], logits=1))
+    return [statistics.median(times[n]) for n in lengths]
 
 
 def _position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
@@ -206,7 +220,7 @@ def _prefix(ids):
     return Prefixes.from_tensor(ids, [0])
 
 
-def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[str, dict], reps: int = 3,
+def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[str, dict], reps: int = 5,
             widths=WIDTHS, contexts=CONTEXTS, prefills=PREFILLS, seed: int = 0) -> CostTable:
     """Time every kind of work on this machine: the target and each named draft (a draft given under
     two names is timed once). About a minute a model for the real pair on 2 CPU cores."""

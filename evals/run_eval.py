@@ -54,6 +54,8 @@ ABLATIONS = {
     "hf_no_ngram": dict(ngram=False),
     "hf_chain": dict(tree=False),  # one chain per round from one source (before trees of candidates)
     "hf_trees": dict(tree=True),  # trees in sampling calls too (the default: greedy calls only)
+    # Verify forwards priced on the line through d and e only, not per width (`price_by_width`).
+    "hf_linear_verify": dict(price_by_width=False),
     "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
     # The draft encodes only the prompt's last 256 tokens (a cheaper draft prefill on long prompts).
     "hf_window256": dict(draft_window=256),

@@ -81,6 +81,15 @@ class SpeculativeConfig:
     # Pin e, the extra cost of each verify token past the knee (9 tokens; `hf_specdec.policy`). With
     # verify_cost pinned and this not, e is its prior (0.02): pinned runs never read the clock.
     verify_knee_cost: float | None = None
+    # Price each verify width (single rows) by its own measured time as well as by the line through
+    # d and e: on some CPUs a forward over more tokens is not dearer (the packed 1.5B target on a
+    # 2-core AVX-512 EPYC: 2 tokens 1.2-1.5 target steps, 5 tokens 0.7-1.0), and the cost model then
+    # fills a round up to a cheaper width (`hf_specdec.policy`). False: the line only.
+    price_by_width: bool = True
+    # Pin the price of a verify forward per width instead of measuring it: entry i the price of i + 1
+    # tokens in target steps (the first normally 1.0), wider forwards on its last segment. With
+    # draft_cost also pinned, the cost model reads no clock. d and e, unless pinned, are the curve's.
+    verify_curve: tuple[float, ...] | None = None
 
     def lookup_min_size(self, trees: bool) -> int:
         """The shortest n-gram match proposed, in tree rounds or not (`ngram_min_size`)."""
@@ -117,3 +126,10 @@ class SpeculativeConfig:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (or None), got {value!r}")
+        if not isinstance(self.price_by_width, bool):
+            raise ValueError(f"price_by_width must be True or False, got {self.price_by_width!r}")
+        if self.verify_curve is not None:
+            from .policy import check_verify_curve
+
+            check_verify_curve(self.verify_curve)
+            object.__setattr__(self, "verify_curve", tuple(float(v) for v in self.verify_curve))

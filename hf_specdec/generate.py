@@ -90,6 +90,8 @@ def speculative_generate(
     draft_cost: float | None = None,
     verify_cost: float | None = None,
     verify_knee_cost: float | None = None,
+    price_by_width: bool | None = None,
+    verify_curve: tuple[float, ...] | list[float] | None = None,
     tree: bool | None = None,
     draft_window: int | None | str = "default",
     speculative_config: SpeculativeConfig | None = None,
@@ -110,7 +112,8 @@ def speculative_generate(
     config = _resolve_config(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
-        verify_knee_cost=verify_knee_cost, tree=tree, draft_window=draft_window,
+        verify_knee_cost=verify_knee_cost, price_by_width=price_by_width, verify_curve=verify_curve, tree=tree,
+        draft_window=draft_window,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
@@ -292,7 +295,7 @@ def propose(state: DecodeState) -> Proposal:
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
-        proposal = state.drafter.propose(dataclasses.replace(request, keep_drafting=state.policy.stop_rule(batch.size)))
+        proposal = state.drafter.propose(dataclasses.replace(request, keep_drafting=state.policy.stop_rule(batch.size, request.max_tokens)))
     else:
         proposal = Proposal.nothing(batch.size, batch.ids.device)
     return dataclasses.replace(proposal, seconds=state.clock.now() - start)
@@ -316,7 +319,7 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
             retrieved[r], sizes[r] = tokens[:length], size
     chain = None
     if draft and len(retrieved) < rows:
-        chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(rows)))
+        chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(rows, request.max_tokens)))
     if not retrieved:
         return chain if chain is not None else Proposal.nothing(rows, device)
     drafted = 0 if chain is None else chain.num_tokens
@@ -375,7 +378,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     unverified = (continuations[0], size) if continuations else None
     if not draft:
         return dataclasses.replace(Proposal.nothing(1, device), unverified=unverified)
-    chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(1)))
+    chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(1, request.max_tokens)))
     if not chain.num_tokens:
         return dataclasses.replace(chain, unverified=unverified)
     merged = Trie()
@@ -648,6 +651,7 @@ def _start(
     policy = DraftPolicy(PolicySettings(
         max_draft_tokens=config.num_draft_tokens, adaptive=config.adaptive and not foreign,
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
+        price_by_width=config.price_by_width, verify_curve=config.verify_curve,
         prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
     ))
     cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse

@@ -62,6 +62,14 @@ Verify time is not linear in width on a CPU: past a knee (9 tokens) the forward 
 reading the weights and each token costs about twice as much. One row's verify forward over w
 tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once rounds on both
 sides of the knee have been timed; trees and lookup lengths are chosen on that curve.
+A CPU's GEMM kernels need not follow a line at all: on the packed 1.5B target on a 2-core AVX-512
+EPYC a forward over 2 tokens costs 1.2-1.5 one-token steps and one over 5 tokens 0.7-1.0 (the
+eval's cost tables). So a single row also prices each verify width by its own running mean time
+once a few rounds of that width were timed (`price_by_width`; `verify_curve` pins the prices), the
+line pricing the widths not timed yet. Nodes and draft lengths are then chosen for the best rate over
+every length, not by whether the next token pays: a tree takes the prefix of its best-first nodes
+with the highest expected tokens per unit of cost, and the draft goes on while stopping at some
+later length beats stopping now (on a line, where the rate has one peak, both are the marginal rules).
 
 None of this touches exactness: every decision depends only on the past and on the draft's own
 proposals, and each drafted position is still verified by the rejection rule. Measured costs come
@@ -105,6 +113,15 @@ class PolicySettings:
     verify_knee: int = 9
     verify_knee_cost: float | None = None  # pin e instead of measuring it (pinning d alone pins e at its prior)
     prior_verify_knee_cost: float = 0.02
+    # Price each verify width by its own measured time, not only by the line above (single rows): a
+    # CPU's GEMM kernels need not cost more for more tokens (the packed 1.5B target on a 2-core
+    # AVX-512 EPYC: 2 tokens 1.2-1.5 steps, 5 tokens 0.7-1.0, 9 tokens 1.0-1.2). Online, a width's
+    # price is the running mean of its rounds' times over the step once `width_observations` rounds
+    # of that width have been timed (the line prices the others); `verify_curve` pins the prices
+    # (entry i: a forward over i + 1 tokens, in target steps; wider ones extend its last segment).
+    price_by_width: bool = True
+    verify_curve: tuple[float, ...] | None = None
+    width_observations: int = 3
     # rho: draft prefill time over the target's for the same tokens. Measured on the real pair (0.5B
     # int8 draft, 1.5B target, 2 CPU cores, 380-1300-token prompts): 0.31-0.37.
     prefill_ratio: float = 0.35
@@ -141,6 +158,8 @@ class PolicySettings:
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.verify_curve is not None:
+            check_verify_curve(self.verify_curve)
         if self.ngram_depths < 0:
             raise ValueError(f"ngram_depths must be >= 0, got {self.ngram_depths}")
         if not self.outlier_factor > 1:
@@ -192,6 +211,10 @@ class PolicyState:
     retrieval_wins: float = 0.0  # rounds in which retrieval's best tree beat the warm draft's expected rate
     retrieval_rounds: float = 0.0  # rounds in which that was compared
     cold_regret: float = 0.0  # target steps lost, against a warm draft, by rounds taken while the draft was cold
+    # Per verify width (single rows): the running mean of its rounds' target seconds, and how many
+    # rounds of that width were timed (`PolicySettings.price_by_width`).
+    width_seconds: dict[int, float] = field(default_factory=dict)
+    width_seen: dict[int, int] = field(default_factory=dict)
     plain_streak: int = 0
     # The first round's (the prompt's encoding) target seconds and columns, and the verify cost d0
     # measured from it and the first one-token step (None until then, or when it could not be).
@@ -238,6 +261,37 @@ class CostEstimates:
 # A verify cost d at or above this (in target steps per token) means the machine computes a forward
 # over k tokens at several steps' cost: speculation is then near break-even at best.
 SLOW_VERIFY = 0.3
+
+
+def check_verify_curve(curve) -> None:
+    """A pinned verify curve: a non-empty sequence of finite prices >= 0, the first (one token) > 0."""
+    try:
+        values = [float(v) for v in curve]
+    except (TypeError, ValueError):
+        raise ValueError(f"verify_curve must be a sequence of numbers (target steps per width), got {curve!r}") from None
+    if not values or not all(math.isfinite(v) and v >= 0 for v in values) or not values[0] > 0:
+        raise ValueError(f"verify_curve needs prices >= 0 per width, the first (one token) > 0, got {curve!r}")
+
+
+def curve_pricer(curve: tuple[float, ...]) -> Callable[[int], float]:
+    """width -> price from a pinned curve (entry i: width i + 1), wider widths on its last segment."""
+    slope = max(0.0, curve[-1] - curve[-2]) if len(curve) > 1 else 0.0
+    return lambda width: curve[width - 1] if width <= len(curve) else curve[-1] + slope * (width - len(curve))
+
+
+def curve_slopes(curve: tuple[float, ...], knee: int) -> tuple[float, float]:
+    """(d, e) of a pinned curve, as the line would have them: d the least-squares slope of price
+    against width up to the knee over the price of one token, e the slope past it less d."""
+    step, xs = curve[0], list(range(min(len(curve), knee)))
+    if len(xs) < 2:
+        return 0.0, 0.0
+    ys = [curve[x] for x in xs]
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    d = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs) / step)
+    e = 0.0
+    if len(curve) > knee:
+        e = max(0.0, (curve[-1] - curve[knee - 1]) / (len(curve) - knee) / step - d)
+    return d, e
 
 
 class DraftPolicy:
@@ -301,6 +355,8 @@ class DraftPolicy:
             return 0.0
         if self.settings.verify_knee_cost is not None:
             return self.settings.verify_knee_cost
+        if self.settings.verify_curve is not None:
+            return curve_slopes(self.settings.verify_curve, self.settings.verify_knee)[1]
         if self.settings.verify_cost is not None:  # d pinned: the curve reads no clock either (e = prior)
             return self.settings.prior_verify_knee_cost
         fit = self._knee_fit()
@@ -308,9 +364,34 @@ class DraftPolicy:
 
     def verify_pricer(self) -> Callable[[int], float]:
         """width -> one verifying forward over `width` tokens (the pending one included), in target
-        steps, with d and e read once (the fits are not recomputed inside loops over widths)."""
+        steps, with d and e read once (the fits are not recomputed inside loops over widths). Single
+        rows with `price_by_width`: the pinned curve, or each width timed often enough at its own
+        measured price and the line for the others; otherwise the line 1 + d (w - 1) + e (w - knee)+."""
         d, e, knee = self.verify_cost, self.knee_cost, self.settings.verify_knee
-        return lambda width: 1.0 + d * (width - 1) + e * max(0, width - knee)
+        line = lambda width: 1.0 + d * (width - 1) + e * max(0, width - knee)  # noqa: E731
+        settings = self.settings
+        if settings.rows > 1 or not settings.price_by_width:
+            return line
+        if settings.verify_curve is not None:
+            return curve_pricer(settings.verify_curve)
+        if settings.verify_cost is not None:  # d pinned: pinned runs read no clock
+            return line
+        measured = self.width_prices()
+        return (lambda width: measured.get(width, line(width))) if measured else line
+
+    def width_prices(self) -> dict[int, float]:
+        """Verify widths timed in at least `width_observations` rounds: their running mean time over
+        the target's step (the fit's intercept), in target steps."""
+        step, s = self.target_step_seconds, self.state
+        if not step:
+            return {}
+        return {w: seconds / step for w, seconds in s.width_seconds.items()
+                if s.width_seen.get(w, 0) >= self.settings.width_observations}
+
+    @property
+    def plain_rate(self) -> float:
+        """Tokens per unit of cost of a plain step (1 unless one-token forwards are priced otherwise)."""
+        return 1.0 / max(1e-9, self.verify_width_cost(1))
 
     def verify_width_cost(self, width: int) -> float:
         """One verifying forward over `width` tokens, in target steps (`verify_pricer`)."""
@@ -321,6 +402,8 @@ class DraftPolicy:
         """d: one more token in the verifying forward, in units of one target step."""
         if self.settings.verify_cost is not None:
             return self.settings.verify_cost
+        if self.settings.verify_curve is not None:
+            return curve_slopes(self.settings.verify_curve, self.settings.verify_knee)[0]
         if self.settings.rows == 1 and self.settings.verify_knee_cost is None:
             knee = self._knee_fit()
             if knee is not None:
@@ -355,12 +438,16 @@ class DraftPolicy:
     def measuring_costs(self) -> bool:
         """True while the round should be a plain step because the target's costs are still being
         measured (the prompt's encoding and one step, when d is not pinned and decisions are adaptive)."""
-        return self.settings.adaptive and self.settings.verify_cost is None and not self.state.costs_seen
+        return self.settings.adaptive and not self._verify_pinned and not self.state.costs_seen
+
+    @property
+    def _verify_pinned(self) -> bool:
+        return self.settings.verify_cost is not None or self.settings.verify_curve is not None
 
     @property
     def measures_time(self) -> bool:
         """Whether decisions read wall time (then the loop must time rounds accurately)."""
-        return self.settings.draft_cost is None or self.settings.verify_cost is None
+        return self.settings.draft_cost is None or not self._verify_pinned
 
     def observe_timing(
         self, draft_seconds: float, draft_forwards: int, target_seconds: float, width: int, catchup_seconds: float = 0.0,
@@ -405,6 +492,10 @@ class DraftPolicy:
         s.fit_zz = decay * s.fit_zz + z * z
         s.fit_xz = decay * s.fit_xz + x * z
         s.fit_zy = decay * s.fit_zy + z * y
+        if self.settings.rows == 1:  # this width's own price (`price_by_width`): a running mean, then the EMA
+            seen = s.width_seen.get(width, 0)
+            s.width_seconds[width] = _ema(s.width_seconds.get(width, y), y, max(w, 1 / (seen + 1)))
+            s.width_seen[width] = seen + 1
         steps = draft_forwards - (1 if catchup_seconds > 0 else 0)
         if steps > 0:
             # the fit was updated above, so the target's step time is known here
@@ -460,7 +551,7 @@ class DraftPolicy:
         priced at d x rows against that row's gain (the batch's plain rate is rows tokens a step)."""
         d = self.verify_cost * rows
         price = self.verify_pricer() if rows == 1 else (lambda width: 1 + (width - 1) * d)
-        best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
+        best, best_rate, tokens, p = 0, 1.0 / price(1), 1.0, 1.0
         for length, g in enumerate(self.ngram_curve(size, available), start=1):
             p *= g
             tokens += p
@@ -524,7 +615,7 @@ class DraftPolicy:
         A draft whose prefill would not pay over the `remaining` tokens is not started."""
         if not self.settings.adaptive:
             return True
-        if prefill and remaining and self.expected_draft_rate(prefill, remaining) <= 1:
+        if prefill and remaining and self.expected_draft_rate(prefill, remaining) <= self.plain_rate:
             return False
         if self.drafting_pays():
             return True
@@ -543,7 +634,7 @@ class DraftPolicy:
             draft_cost=self.cost, verify_cost=self.verify_cost, verify_knee_cost=self.knee_cost,
             measured_verify_cost=self.state.measured_verify_cost, first_acceptance=self.state.first_acceptance,
             drafting_pays=self.drafting_pays(),
-            draft_cost_pinned=self.settings.draft_cost is not None, verify_cost_pinned=self.settings.verify_cost is not None,
+            draft_cost_pinned=self.settings.draft_cost is not None, verify_cost_pinned=self._verify_pinned,
         )
 
     def plan(
@@ -560,21 +651,26 @@ class DraftPolicy:
         return (DRAFT, self.settings.max_draft_tokens) if draft else (NONE, 0)
 
     def select_nodes(self, reach: list[float], fixed: list[int], draft_forwards: int, max_nodes: int) -> list[int]:
-        """Tree nodes to verify: the `fixed` ones (the draft chain, already drafted), then, best first,
-        every node whose estimated acceptance r (`reach`, non-increasing from parent to child) raises
-        the round's expected tokens per unit of cost: with E tokens for cost C so far, one more node
-        adds r tokens for its verify cost d' (d, plus e past the knee), which pays when r * C > d' * E.
-        Parents always come before children."""
-        price, chosen = self.verify_pricer(), set(fixed)
+        """Tree nodes to verify: the `fixed` ones (the draft chain, already drafted), then the other
+        nodes best first (by estimated acceptance r, `reach`, non-increasing from parent to child, so
+        parents come before children), as many as maximise the round's expected tokens per unit of
+        cost. On a price line (convex: d a node, plus e past the knee) that is every node that pays
+        for itself in turn, r * C > d' * E with E tokens for cost C so far; with measured per-width
+        prices (`price_by_width`) a dearer width may be crossed to reach a cheaper one."""
+        price, chosen = self.verify_pricer(), list(fixed)
         tokens = 1.0 + sum(reach[j] for j in fixed)
-        cost = draft_forwards * self.cost + price(1 + len(fixed))
-        for j in sorted((j for j in range(len(reach)) if j not in chosen), key=lambda j: (-reach[j], j)):
-            d = price(2 + len(chosen)) - price(1 + len(chosen))  # this node's cost
-            if len(chosen) >= max_nodes or reach[j] * cost <= d * tokens:
+        base = draft_forwards * self.cost
+        best_rate, best = tokens / (base + price(1 + len(chosen))), len(chosen)
+        fixed_set = set(fixed)
+        for j in sorted((j for j in range(len(reach)) if j not in fixed_set), key=lambda j: (-reach[j], j)):
+            if len(chosen) >= max_nodes or reach[j] <= 0:
                 break
-            chosen.add(j)
-            tokens, cost = tokens + reach[j], cost + d
-        return sorted(chosen)
+            chosen.append(j)
+            tokens += reach[j]
+            rate = tokens / (base + price(1 + len(chosen)))
+            if rate > best_rate:
+                best_rate, best = rate, len(chosen)
+        return sorted(chosen[:best])
 
     def tree_rate(self, reach: list[float], nodes: list[int], draft_forwards: int = 0) -> float:
         """Expected tokens per unit of cost of verifying `nodes`."""
@@ -587,15 +683,17 @@ class DraftPolicy:
         b = min(int(confidence * self.settings.calibration_bins), self.settings.calibration_bins - 1)
         return self.state.calib_accepted[b] / self.state.calib_reached[b]
 
-    def stop_rule(self, rows: int) -> Callable[[list[float]], bool] | None:
+    def stop_rule(self, rows: int, max_tokens: int | None = None) -> Callable[[list[float]], bool] | None:
         """A fresh `keep_drafting(confidences)` for one round of `rows` rows: after each drafted token
         (given, per row, the draft's probability of it), whether to draft another, for the batch as a
-        whole (tokens summed over rows, per unit of the batch's cost). None when not adaptive (draft
+        whole (tokens summed over rows, per unit of the batch's cost), looking no further than
+        `max_tokens` drafted tokens (default max_draft_tokens). None when not adaptive (draft
         max_draft_tokens)."""
         if not self.settings.adaptive:
             return None
         p_all, expected, drafted = [1.0] * rows, [1.0] * rows, [0]
         step = max(self.cost + self.verify_cost, 1e-9)  # free drafts (c = d = 0): keep drafting
+        price, c, most = self.verify_pricer(), self.cost, min(self.settings.max_draft_tokens, max_tokens or self.settings.max_draft_tokens)
 
         def keep_drafting(confidences: list[float]) -> bool:
             drafted[0] += 1
@@ -603,6 +701,19 @@ class DraftPolicy:
             for r, conf in enumerate(confidences):
                 p_all[r] *= self.calibrated(conf)
                 expected[r] += p_all[r]
+            if rows == 1:
+                # Draft on while stopping at some later length j' (its tokens each accepted with the
+                # running per-token acceptance) beats stopping now, the round costing j c + price(j + 1).
+                # On a price line that is the next token paying for itself (below); with measured
+                # per-width prices a dear width may be crossed to reach a cheaper one.
+                a, now = self.state.token_acceptance, expected[0] / (j * c + price(j + 1))
+                gain, p = 0.0, p_all[0]
+                for later in range(j + 1, most + 1):
+                    p *= a
+                    gain += p
+                    if (expected[0] + gain) / (later * c + price(later + 1)) > now:
+                        return True
+                return False
             # The batch pays one draft forward and one verify column for every row: one more token
             # is drafted when the rows' summed expected gain beats the batch's rate so far.
             return sum(p_all) * self.state.token_acceptance / step > sum(expected) / (1 + j * step)

@@ -5,6 +5,7 @@ test_exactness.py), and each must actually be exercised (asserted through the ro
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -379,6 +380,128 @@ def test_policy_fits_the_verify_knee_and_prices_wide_rounds_on_it():
     assert DraftPolicy(PolicySettings(rows=4, verify_knee_cost=0.3)).knee_cost == 0.0
     with pytest.raises(ValueError, match="verify_knee_cost"):
         PolicySettings(verify_knee_cost=-1.0)
+
+
+# ---------------------------------------------------------------- verify prices per width
+
+# Verify forwards whose price dips with width (in target steps): the shape measured on the packed
+# 1.5B target on a 2-core AVX-512 EPYC (2 tokens 1.2-1.5 steps, 5 tokens 0.7-1.0; the eval's cost tables).
+DIP = (1.0, 1.3, 1.15, 0.95, 0.85, 0.9, 0.95, 1.0, 1.05)
+
+
+def _old_select_nodes(policy, reach, fixed, draft_forwards, max_nodes):
+    """The marginal rule select_nodes had before prices per width: add the best node while it pays."""
+    price, chosen = policy.verify_pricer(), set(fixed)
+    tokens = 1.0 + sum(reach[j] for j in fixed)
+    cost = draft_forwards * policy.cost + price(1 + len(fixed))
+    for j in sorted((j for j in range(len(reach)) if j not in chosen), key=lambda j: (-reach[j], j)):
+        d = price(2 + len(chosen)) - price(1 + len(chosen))
+        if len(chosen) >= max_nodes or reach[j] * cost <= d * tokens:
+            break
+        chosen.add(j)
+        tokens, cost = tokens + reach[j], cost + d
+    return sorted(chosen)
+
+
+def test_policy_learns_each_verify_widths_price_and_crosses_a_dear_width_to_a_cheaper_one():
+    policy = DraftPolicy(PolicySettings(draft_cost=0.2))
+    policy.observe_timing(0.0, 0, 9.0, 40)  # the prompt's forward: skipped
+    for width in range(1, 10):  # twice each: not yet enough to price a width on its own
+        policy.observe_timing(0.0, 0, 0.4 * DIP[width - 1], width)
+        policy.observe_timing(0.0, 0, 0.4 * DIP[width - 1], width)
+    assert policy.width_prices() == {}
+    line = policy.verify_pricer()
+    assert line(5) >= line(2)  # the line through them has no dip (its slope is clamped at 0)
+    for width in range(1, 10):
+        policy.observe_timing(0.0, 0, 0.4 * DIP[width - 1], width)
+    price = policy.verify_pricer()
+    for width in range(1, 10):
+        assert price(width) / price(1) == pytest.approx(DIP[width - 1])
+    off = DraftPolicy(dataclasses.replace(policy.settings, price_by_width=False), policy.state)  # the line only
+    assert price(17) == pytest.approx(off.verify_pricer()(17))  # never timed: on the line
+    # Four weak retrieved nodes: the first alone does not pay (0.2 tokens for 0.3 steps), four together
+    # cost less than a plain step. The marginal rule stops at none; the priced curve takes all four.
+    reach = [0.2, 0.15, 0.12, 0.1]
+    assert policy.select_nodes(reach, [], 0, 24) == [0, 1, 2, 3]
+    assert _old_select_nodes(policy, reach, [], 0, 24) == []
+    assert policy.tree_rate(reach, [0, 1, 2, 3]) == pytest.approx(1.57 / (0.85 * price(1)))
+    # Off (the eval's hf_linear_verify ablation): the line only, whatever was timed.
+    assert off.verify_pricer()(5) >= off.verify_pricer()(2)
+    # In a batch columns are priced on the line, d x rows: per-width times are single-row ones.
+    batch = DraftPolicy(PolicySettings(rows=4))
+    batch.observe_timing(0.0, 0, 9.0, 40)
+    for width in range(1, 10):
+        for _ in range(3):
+            batch.observe_timing(0.0, 0, 0.4 * DIP[width - 1], width)
+    assert batch.width_prices() == {}
+
+
+def test_a_pinned_verify_curve_prices_every_width_and_reads_no_clock():
+    policy = DraftPolicy(PolicySettings(draft_cost=0.2, verify_curve=DIP))
+    assert not policy.measures_time and not policy.measuring_costs
+    price = policy.verify_pricer()
+    assert [price(w) for w in range(1, 10)] == list(DIP)
+    assert price(12) == pytest.approx(DIP[-1] + 3 * (DIP[-1] - DIP[-2]))  # the last segment extended
+    assert policy.select_nodes([0.2, 0.15, 0.12, 0.1], [], 0, 24) == [0, 1, 2, 3]
+    assert policy.plain_rate == 1.0
+    # d and e are the curve's unless pinned: a dip has no upward slope below the knee
+    assert policy.verify_cost == 0.0 and policy.estimates().verify_cost_pinned
+    assert DraftPolicy(PolicySettings(verify_curve=DIP, verify_cost=0.05)).verify_cost == 0.05
+    # The stop rule looks past a dear width: a curve flat to 2 tokens, dear at 3-4, cheap from 5.
+    step = (1.0, 1.0, 1.4, 1.4, 0.9, 0.9, 0.9, 0.9, 0.9)
+    curved = DraftPolicy(PolicySettings(draft_cost=0.05, verify_curve=step), PolicyState(token_acceptance=0.7))
+    keep = curved.stop_rule(1)
+    assert keep([0.95])  # 1 drafted: stopping costs 1.05; 4 drafted costs 1.1 for far more tokens
+    assert keep([0.95]) and keep([0.95])
+    # ... unless the round may not draft that far (stop at 1: 1.95 tokens for 1.05 beats 2.62 for 1.5)
+    assert curved.stop_rule(1, max_tokens=2)([0.95]) is False
+    for bad in [(), (0.0, 1.0), (1.0, -0.5), (1.0, float("nan")), "fast"]:
+        with pytest.raises(ValueError, match="verify_curve"):
+            PolicySettings(verify_curve=bad)
+        with pytest.raises(ValueError, match="verify_curve"):
+            hf_specdec.SpeculativeConfig(verify_curve=bad)
+    with pytest.raises(ValueError, match="price_by_width"):
+        hf_specdec.SpeculativeConfig(price_by_width="yes")
+    assert hf_specdec.SpeculativeConfig(verify_curve=[1, 0.9]).verify_curve == (1.0, 0.9)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_on_a_price_line_nodes_and_draft_lengths_are_chosen_as_before(seed):
+    """With the line (no per-width prices) the best-prefix node choice and the look-ahead stop rule
+    make the marginal rules' choices: the rate is unimodal on a convex price."""
+    gen = torch.Generator().manual_seed(seed)
+    d, e, c = (torch.rand(3, generator=gen) * torch.tensor([0.3, 0.3, 0.6])).tolist()
+    policy = DraftPolicy(PolicySettings(draft_cost=c, verify_cost=d, verify_knee_cost=e, price_by_width=False),
+                         PolicyState(token_acceptance=0.3 + 0.6 * torch.rand(1, generator=gen).item()))
+    reach = sorted(torch.rand(30, generator=gen).pow(3).tolist(), reverse=True)
+    fixed = list(range(int(torch.randint(0, 5, (1,), generator=gen))))
+    assert policy.select_nodes(reach, fixed, len(fixed), 24) == _old_select_nodes(policy, reach, fixed, len(fixed), 24)
+    keep, step = policy.stop_rule(1), max(c + d, 1e-9)
+    p_all, expected = 1.0, 1.0
+    for j, conf in enumerate(torch.rand(7, generator=gen).tolist(), start=1):
+        p_all *= policy.calibrated(conf)
+        expected += p_all
+        old = p_all * policy.state.token_acceptance / step > expected / (1 + j * step)
+        assert keep([conf]) == old
+
+
+def test_greedy_identity_with_a_pinned_dipping_verify_curve(arch):
+    target = tiny_model(arch, seed=4)
+    draft = perturbed(target, noise=0.3)
+    plain = target.generate(REPEATING, do_sample=False, max_new_tokens=40)
+    sinks = ([], [])
+    for sink in sinks:
+        out = spec(target, draft, max_new_tokens=40, draft_cost=0.1, verify_curve=DIP, acceptance_sink=sink.append)
+        assert torch.equal(out.sequences, plain) and out.cost_model.verify_cost_pinned
+    widths = [[len(r.draft_tokens) for r in sink] for sink in sinks]
+    assert widths[0] == widths[1]  # pinned: the same work twice
+    line_sink = []
+    line = spec(target, draft, max_new_tokens=40, draft_cost=0.1, verify_cost=0.03, acceptance_sink=line_sink.append)
+    assert torch.equal(line.sequences, plain)
+    # One or two nodes (2-3 tokens, dearer than 4-5 on the curve) only where no more candidates were
+    # there; on the line such rounds are common.
+    narrow = lambda ws: sum(1 for w in ws if w in (1, 2))  # noqa: E731
+    assert narrow(widths[0]) * 4 <= narrow([len(r.draft_tokens) for r in line_sink])
 
 
 def test_lookup_acceptance_is_kept_per_depth_and_sets_the_proposal_length():

@@ -4,6 +4,7 @@ where hf_specdec's time went (model forwards / processing and sampling around th
 
     python evals/bars.py runs/quick/summary.json
     python evals/bars.py runs/quick/summary.json --methods prompt_lookup hf_specdec
+    python evals/bars.py runs/quick/summary.json --modelled    # modelled speedups (the cost table's prices)
 
 Works on any subset of the methods in the summary (default: all of them): the "hf / best
 transformers" column takes the best of whichever of assisted, assisted_quantized and prompt_lookup
@@ -22,15 +23,16 @@ TRANSFORMERS_METHODS = ("assisted", "assisted_quantized", "prompt_lookup")
 TIME_SPLIT = ("forwards", "processing", "other")
 
 
-def main(summary_path, methods: list[str] | None = None) -> str:
-    """Print (and return) the bars table of the summary at `summary_path`, for `methods` (None: all)."""
+def main(summary_path, methods: list[str] | None = None, modelled: bool = False) -> str:
+    """Print (and return) the bars table of the summary at `summary_path`, for `methods` (None: all),
+    of wall-clock speedups or, with `modelled`, of modelled ones."""
     summary = json.loads(Path(summary_path).read_text())["summary"]
-    text = render(summary, methods)
+    text = render(summary, methods, modelled)
     print(text)
     return text
 
 
-def render(summary: dict, methods: list[str] | None = None) -> str:
+def render(summary: dict, methods: list[str] | None = None, modelled: bool = False) -> str:
     present = list(dict.fromkeys(m for block in summary.values() for m in block))
     if methods is None:  # transformers' methods first, then hf_specdec and its ablations
         methods = [m for m in TRANSFORMERS_METHODS if m in present] + [m for m in present if m not in TRANSFORMERS_METHODS]
@@ -42,12 +44,14 @@ def render(summary: dict, methods: list[str] | None = None) -> str:
     for mode, block in summary.items():
         shown = [m for m in chosen if m in block]
         if shown:
-            lines += mode_table(mode, block, shown)
+            lines += mode_table(mode, block, shown, modelled)
     return "\n".join(lines)
 
 
-def mode_table(mode: str, block: dict, methods: list[str]) -> list[str]:
-    """One mode's table, then hf_specdec's acceptance figures and (greedy) which methods matched plain."""
+def mode_table(mode: str, block: dict, methods: list[str], modelled: bool = False) -> list[str]:
+    """One mode's table, then hf_specdec's acceptance figures and (greedy) which methods matched plain.
+    `modelled`: the modelled speedups in the method and "hf / best" columns."""
+    key = "median_modelled_speedup" if modelled else "median_speedup"
     baselines = [m for m in methods if m in TRANSFORMERS_METHODS]
     hf = block["hf_specdec"]["categories"] if "hf_specdec" in methods else None
     categories = list(dict.fromkeys(c for m in methods for c in block[m]["categories"]))
@@ -56,20 +60,21 @@ def mode_table(mode: str, block: dict, methods: list[str]) -> list[str]:
         header.append(f"hf / best of {', '.join(baselines)}")
     if hf is not None:
         header += ["hf predicted", "measured/predicted", "hf time split fwd/proc/other"]
-    lines = [f"## {mode}", "", _row(header), _row(["---"] * len(header))]
+    lines = [f"## {mode}" + (" (modelled)" if modelled else ""), "", _row(header), _row(["---"] * len(header))]
     ratios = []
     for c in categories:
-        cells = [c, *(_fmt(_speedup(block, m, c), "x") for m in methods)]
-        spec = _speedup(block, "hf_specdec", c) if hf is not None else None
+        cells = [c, *(_fmt(_speedup(block, m, c, key), "x") for m in methods)]
+        spec = _speedup(block, "hf_specdec", c, key) if hf is not None else None
         if hf is not None and baselines:
-            best = max((s for s in (_speedup(block, m, c) for m in baselines) if s), default=None)
+            best = max((s for s in (_speedup(block, m, c, key) for m in baselines) if s), default=None)
             ratio = spec / best if spec and best else None
             ratios += [ratio] if ratio else []
             cells.append(_fmt(ratio))
         if hf is not None:
             cells += _hf_cells(hf.get(c, {}), spec)
         lines.append(_row(cells))
-    geomean = ["**geomean**", *(_fmt(block[m]["geomean_speedup"], "x") for m in methods)]
+    total = "geomean_modelled_speedup" if modelled else "geomean_speedup"
+    geomean = ["**geomean**", *(_fmt(block[m].get(total), "x") for m in methods)]
     if hf is not None and baselines:
         geomean.append(_fmt(statistics.geometric_mean(ratios) if ratios else None))
     lines += [_row(geomean + [""] * (len(header) - len(geomean))), ""]
@@ -101,9 +106,10 @@ def _hf_acceptance(hf: dict) -> list[str]:
     return lines + [""]
 
 
-def _speedup(block: dict, method: str, category: str) -> float | None:
-    """The method's median speedup on the category; None where it did not run or failed there."""
-    return block[method]["categories"].get(category, {}).get("median_speedup")
+def _speedup(block: dict, method: str, category: str, key: str = "median_speedup") -> float | None:
+    """The method's median speedup (`key`: wall or modelled) on the category; None where it did not
+    run or failed there."""
+    return block[method]["categories"].get(category, {}).get(key)
 
 
 def _fmt(value: float | None, suffix: str = "") -> str:
@@ -118,5 +124,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("summary", help="summary.json written by evals/run_eval.py")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help="the columns to show (default: all)")
+    parser.add_argument("--modelled", action="store_true", help="modelled speedups instead of wall-clock ones")
     args = parser.parse_args()
-    main(args.summary, args.methods)
+    main(args.summary, args.methods, args.modelled)

@@ -236,6 +236,12 @@ def test_bars_table_on_a_subset_without_assisted(tiny_eval):
             assert (f"| {category} | {lookup:.2f}x | {spec['median_speedup']:.2f}x | {ratio:.2f} | "
                     f"{spec['predicted_speedup']:.2f}x |") in text
     assert "| category | prompt_lookup | hf_specdec | hf / best of prompt_lookup |" in text
+    # --modelled: the same table of modelled speedups
+    text = run([sys.executable, str(BARS), str(tiny_eval / "summary.json"), "--modelled"]).stdout
+    assert "## greedy (modelled)" in text
+    lookup = summary["greedy"]["prompt_lookup"]["categories"]["qa"]["median_modelled_speedup"]
+    qa_line = next(line for line in text.split("## sampling")[0].splitlines() if line.startswith("| qa |"))
+    assert f"| {lookup:.2f}x |" in qa_line
     # Without any transformers method the comparison column goes, the rest stays.
     text = run([sys.executable, str(BARS), str(tiny_eval / "summary.json"), "--methods", "hf_k5_model_only"]).stdout
     assert "| category | hf_k5_model_only |" in text and "best of" not in text and "| qa |" in text
@@ -455,3 +461,34 @@ def test_estimate_bias_tally():
                                        estimated_per_round=pytest.approx(1.0), accepted_over_estimated=pytest.approx(0.5))
     assert table["chain-draft"] == dict(rounds=1, nodes_per_round=2.0, accepted_per_round=2.0)
     assert table["chain-none"]["rounds"] == 1
+
+
+def test_paired_ratios_pair_prompts_and_bootstrap_within_categories(tmp_path):
+    sys.path.insert(0, str(ROOT / "evals"))
+    import paired
+
+    def record(pid, category, method, seconds, modelled, mode="greedy"):
+        return dict(id=pid, category=category, mode=mode, method=method, new_tokens=64, seconds=seconds,
+                    modelled_seconds=modelled)
+
+    records = []
+    for i, (category, gain) in enumerate([("qa", 1.5), ("qa", 1.2), ("rag", 0.8), ("rag", 0.8)]):
+        records += [record(str(i), category, "b", 10.0, 20.0), record(str(i), category, "a", 10.0 / gain, 10.0)]
+    records.append(record("9", "qa", "a", 1.0, 1.0))  # b never ran on it: not a pair
+    records.append(dict(id="8", category="qa", mode="greedy", method="b", error="unsupported"))
+    result = paired.compare(records, "a", "b")
+    assert result["prompts"] == 4
+    g = (1.5 * 1.2 * 0.8 * 0.8) ** 0.25
+    assert result["wall"][0] == pytest.approx(g)
+    assert result["wall"][1] < g < result["wall"][2]
+    # resampled within categories: every draw has two qa prompts and two rag ones (a draw of four rag
+    # prompts, 0.8, would be possible without strata)
+    assert result["wall"][1] >= (1.2 * 1.2 * 0.64) ** 0.25 - 1e-9 and result["wall"][2] <= (1.5 * 1.5 * 0.64) ** 0.25 + 1e-9
+    assert result["modelled"] == pytest.approx((2.0, 2.0, 2.0))
+    assert result["categories"]["rag"] == pytest.approx((0.8, 2.0))
+    path = tmp_path / "records.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in records))
+    text = run([sys.executable, str(ROOT / "evals" / "paired.py"), str(path), "a", "b"]).stdout
+    assert f"a / b, paired over 4 prompts: wall {g:.3f}" in text and "rag: wall 0.800, modelled 2.000" in text
+    with pytest.raises(SystemExit, match="no prompt on which both"):
+        paired.compare(records, "a", "b", mode="sampling")

@@ -83,7 +83,7 @@ class SpeculativeConfig:
     verify_knee_cost: float | None = None
     # Price each verify width (single rows) by its own measured time as well as by the line through
     # d and e: on some CPUs a forward over more tokens is not dearer (the packed 1.5B target on a
-    # 2-core AVX-512 EPYC: 2 tokens 1.2-1.5 target steps, 5 tokens 0.7-1.0), and the cost model then
+    # 2-core AVX-512 EPYC: 2 tokens 1.15-1.25 target steps, 5 tokens 0.78-0.92), and the cost model then
     # fills a round up to a cheaper width (`hf_specdec.policy`). False: the line only.
     price_by_width: bool = True
     # Pin the price of a verify forward per width instead of measuring it: entry i the price of i + 1

@@ -63,8 +63,8 @@ reading the weights and each token costs about twice as much. One row's verify f
 tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once rounds on both
 sides of the knee have been timed; trees and lookup lengths are chosen on that curve.
 A CPU's GEMM kernels need not follow a line at all: on the packed 1.5B target on a 2-core AVX-512
-EPYC a forward over 2 tokens costs 1.2-1.5 one-token steps and one over 5 tokens 0.7-1.0 (the
-eval's cost tables). So a single row also prices each verify width by its own running mean time
+EPYC a forward over 2 tokens costs 1.15-1.25 one-token steps and one over 5 tokens 0.78-0.92 (the
+eval's cost table, evals/results/greedy-widths/). So a single row also prices each verify width by its own running mean time
 once a few rounds of that width were timed (`price_by_width`; `verify_curve` pins the prices), the
 line pricing the widths not timed yet. Nodes and draft lengths are then chosen for the best rate over
 every length, not by whether the next token pays: a tree takes the prefix of its best-first nodes
@@ -115,10 +115,11 @@ class PolicySettings:
     prior_verify_knee_cost: float = 0.02
     # Price each verify width by its own measured time, not only by the line above (single rows): a
     # CPU's GEMM kernels need not cost more for more tokens (the packed 1.5B target on a 2-core
-    # AVX-512 EPYC: 2 tokens 1.2-1.5 steps, 5 tokens 0.7-1.0, 9 tokens 1.0-1.2). Online, a width's
-    # price is the running mean of its rounds' times over the step once `width_observations` rounds
-    # of that width have been timed (the line prices the others); `verify_curve` pins the prices
-    # (entry i: a forward over i + 1 tokens, in target steps; wider ones extend its last segment).
+    # AVX-512 EPYC: 2 tokens 1.15-1.25 steps, 5 tokens 0.78-0.92, 9 tokens 0.95-1.14;
+    # evals/results/greedy-widths/). Online, a width's price is the running mean of its rounds' times
+    # over the step once `width_observations` rounds of that width have been timed (the line prices
+    # the others); `verify_curve` pins the prices (entry i: a forward over i + 1 tokens, in target
+    # steps; wider ones extend its last segment).
     price_by_width: bool = True
     verify_curve: tuple[float, ...] | None = None
     width_observations: int = 3

@@ -140,8 +140,9 @@ def _forward_grid(model, vocab: int, widths, contexts, reps: int, gen: torch.Gen
     """[context][width] seconds: the median of `reps` passes over the whole grid (one forward per
     cell a pass), so that a slow spell of a shared machine lands in one pass, not in all of one
     cell's timings (three back-to-back timings a cell had priced a 64-token context's one-token step
-    at twice the 256-token context's, 581 against 290 ms: `sampling-trees-vs-chains/cost_table.json`). A verifying target scores every new token (`all_logits`); a draft
-    catching up on several tokens scores only the last."""
+    at twice the 256-token context's, 581 against 290 ms: `sampling-trees-vs-chains/cost_table.json`).
+    A verifying target scores every new token (`all_logits`); a draft catching up on several tokens
+    scores only the last."""
     from hf_specdec.cache import new_cache
 
     device, caches = model.device, []

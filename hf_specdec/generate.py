@@ -295,7 +295,8 @@ def propose(state: DecodeState) -> Proposal:
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
-        proposal = state.drafter.propose(dataclasses.replace(request, keep_drafting=state.policy.stop_rule(batch.size, request.max_tokens)))
+        keep_drafting = state.policy.stop_rule(batch.size, request.max_tokens)
+        proposal = state.drafter.propose(dataclasses.replace(request, keep_drafting=keep_drafting))
     else:
         proposal = Proposal.nothing(batch.size, batch.ids.device)
     return dataclasses.replace(proposal, seconds=state.clock.now() - start)
@@ -319,7 +320,8 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
             retrieved[r], sizes[r] = tokens[:length], size
     chain = None
     if draft and len(retrieved) < rows:
-        chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=policy.stop_rule(rows, request.max_tokens)))
+        keep_drafting = policy.stop_rule(rows, request.max_tokens)
+        chain = state.drafter.propose(dataclasses.replace(request, keep_drafting=keep_drafting))
     if not retrieved:
         return chain if chain is not None else Proposal.nothing(rows, device)
     drafted = 0 if chain is None else chain.num_tokens

@@ -64,9 +64,9 @@ tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once
 sides of the knee have been timed; trees and lookup lengths are chosen on that curve.
 A CPU's GEMM kernels need not follow a line at all: on the packed 1.5B target on a 2-core AVX-512
 EPYC a forward over 2 tokens costs 1.15-1.25 one-token steps and one over 5 tokens 0.78-0.92 (the
-eval's cost table, evals/results/greedy-widths/). So a single row also prices each verify width by its own running mean time
-once a few rounds of that width were timed (`price_by_width`; `verify_curve` pins the prices), the
-line pricing the widths not timed yet. Nodes and draft lengths are then chosen for the best rate over
+eval's cost table, evals/results/greedy-widths/). So a single row also prices each verify width by
+its own running mean time once a few rounds of that width were timed (`price_by_width`;
+`verify_curve` pins the prices), the line pricing the widths not timed yet. Nodes and draft lengths are then chosen for the best rate over
 every length, not by whether the next token pays: a tree takes the prefix of its best-first nodes
 with the highest expected tokens per unit of cost, and the draft goes on while stopping at some
 later length beats stopping now (on a line, where the rate has one peak, both are the marginal rules).
@@ -694,7 +694,8 @@ class DraftPolicy:
             return None
         p_all, expected, drafted = [1.0] * rows, [1.0] * rows, [0]
         step = max(self.cost + self.verify_cost, 1e-9)  # free drafts (c = d = 0): keep drafting
-        price, c, most = self.verify_pricer(), self.cost, min(self.settings.max_draft_tokens, max_tokens or self.settings.max_draft_tokens)
+        price, c = self.verify_pricer(), self.cost
+        most = min(self.settings.max_draft_tokens, max_tokens or self.settings.max_draft_tokens)
 
         def keep_drafting(confidences: list[float]) -> bool:
             drafted[0] += 1

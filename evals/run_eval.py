@@ -66,6 +66,9 @@ ABLATIONS = {
     "hf_min2": dict(config=dict(ngram_min_size=2)),  # no 1-gram matches, in trees either
     "hf_no_wait": dict(config=dict(prefill_patience=0.0)),  # no ski rental for the draft's prefill
     "hf_depths": dict(config=dict(ngram_depths=4)),  # lookup acceptance per depth (positions 2, 3, 4+)
+    # Lookups sized by their n-gram only (1-3 tokens), most recent occurrence first: not measured
+    # further back, no longest-match buckets (`ngram_match_cap`).
+    "hf_ngram_only_size": dict(config=dict(ngram_match_cap=0)),
 }
 # hf_specdec with another draft (`--second-draft`, e.g. a distilled one: evals/distill.py), quantized as
 # the first and, where a saved cost table has no price for it, priced as the first (same architecture).

@@ -34,6 +34,16 @@ class SpeculativeConfig:
     # explicit value is used everywhere.
     ngram_min_size: int | None = None
     ngram_max_tokens: int = 32
+    # How far back a lookup measures its match (the signal SAM-Decoding chooses by): past the
+    # n-gram itself, as long as the earlier tokens agree too, up to this many. The cost model keeps
+    # its running acceptance per match size, matches longer than ngram_max_size bucketed by powers of
+    # two (4-7, 8-15, 16-31, 32), and a lookup follows the occurrences with the longest match, the
+    # earliest first. Greedy outputs of the real pair (standard preset, every position whose suffix
+    # occurred before): the longest match's continuation was the next token 0.63 of the time after a
+    # 3-token match, 0.89 / 0.86 / 0.97 after 4-7 / 8-15 / 16+ (summarization); 0.56 after 2 and 1.0
+    # after every longer one (HumanEval; evals/results/match-length/). 0 (or at most ngram_max_size):
+    # sizes are n-gram sizes, the most recent occurrence first.
+    ngram_match_cap: int = 32
     # With ngram_depths > 0 the cost model learns a lookup's acceptance per match size for its first
     # token and per depth for tokens 2 .. ngram_depths (the last shared by deeper ones): a copy that
     # has started tends to go on (real pair, summarization at T = 0.7: 0.48 at the first token, 0.55
@@ -110,6 +120,8 @@ class SpeculativeConfig:
             raise ValueError(f"ngram_depths must be >= 0, got {self.ngram_depths!r}")
         if not self.prefill_patience >= 0:
             raise ValueError(f"prefill_patience must be >= 0, got {self.prefill_patience!r}")
+        if not isinstance(self.ngram_match_cap, int) or self.ngram_match_cap < 0:
+            raise ValueError(f"ngram_match_cap must be an integer >= 0, got {self.ngram_match_cap!r}")
         if self.ngram_max_tokens < 1:
             raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
         if self.tree is not None and not isinstance(self.tree, bool):

@@ -513,7 +513,15 @@ class DraftPolicy:
         token only, with `ngram_depths`)."""
         if not size:
             return self.state.ngram_acceptance
-        return self.state.ngram_acceptance_by_size.get(size, self.state.ngram_acceptance)
+        known = self.state.ngram_acceptance_by_size
+        return known[size] if size in known else self._size_prior(size)
+
+    def _size_prior(self, size: int) -> float:
+        """Where a match size's estimate starts: the nearest shorter size's estimate (a longer match is
+        no weaker a clue), at least the all-sizes value."""
+        known = self.state.ngram_acceptance_by_size
+        shorter = max((k for k in known if k < size), default=None)
+        return max(self.state.ngram_acceptance, known[shorter]) if shorter is not None else self.state.ngram_acceptance
 
     def ngram_acceptance_at(self, size: int | None, depth: int) -> float:
         """P(lookup token `depth` (1-based) is accepted | the ones before it were), for a match of `size`."""
@@ -529,9 +537,10 @@ class DraftPolicy:
     def _observe_ngram(self, size: int | None, accepted: float, depth: int = 1) -> None:
         """One lookup position reached (accepted 1.0 or 0.0) at `depth` (1: the first token after the
         match). The match size's estimate learns from every position, or with `ngram_depths` from the
-        first only, deeper ones updating their depth's. Each such estimate starts from the
-        all-positions value weighted as `ngram_prior_observations` observations: a running mean at
-        first (a size that fails is dropped within a few rounds), the moving average later."""
+        first only, deeper ones updating their depth's. Each such estimate starts from a prior weighted
+        as `ngram_prior_observations` observations (a size's `_size_prior`, a depth's the all-positions
+        value): a running mean at first (a size that fails is dropped within a few rounds), the moving
+        average later."""
         s, w = self.state, self.settings.ema_weight / 2
         s.ngram_acceptance = _ema(s.ngram_acceptance, accepted, w)
         if depth > 1 and self.settings.ngram_depths:
@@ -542,7 +551,8 @@ class DraftPolicy:
             return
         seen = seen_by.get(key, 0)
         weight = max(w, 1 / (seen + 1 + self.settings.ngram_prior_observations))
-        estimates[key] = _ema(estimates.get(key, s.ngram_acceptance), accepted, weight)
+        start = s.ngram_acceptance if estimates is s.ngram_acceptance_by_depth else self._size_prior(key)
+        estimates[key] = _ema(estimates.get(key, start), accepted, weight)
         seen_by[key] = seen + 1
 
     def ngram_length(self, available: int, rows: int = 1, size: int | None = None) -> tuple[int, float]:
@@ -605,7 +615,7 @@ class DraftPolicy:
         ones times the share of rounds retrieval would not take (`retrieval_share`)."""
         rate = self.state.draft_rate
         if rate is None:
-            rate = (1 + self.state.first_acceptance) / (1 + self.cost + self.verify_cost)
+            rate = (1 + self.state.first_acceptance) / (self.cost + self.verify_width_cost(2))
         if prefill and remaining:
             drafted = remaining * (1 - self.retrieval_share)
             rate = drafted / (drafted / rate + self.prefill_cost(prefill))
@@ -732,7 +742,7 @@ class DraftPolicy:
         confidences: list[list[float]] | None = None,  # per row, per drafted position (DRAFT rounds)
         match_sizes: list[int] | None = None,  # per row, the n-gram match size (NGRAM rounds)
         first_hits: list[bool] | None = None,  # per row, whether the draft's first forward was accepted (default: n > 0)
-        rate: float | None = None,  # the round's tokens per unit cost (default: (n + 1) / (1 + k (c + d)))
+        rate: float | None = None,  # the round's tokens per unit cost (default: (n + 1) / (k c + price(k + 1)))
     ) -> None:
         """One round: the draft model's estimates from a DRAFT round (first-token and per-token
         acceptance, calibration, the rate of draft rounds, the probe backoff), the lookup's from an
@@ -755,6 +765,9 @@ class DraftPolicy:
         w = self.settings.ema_weight / max(1, len(num_accepted))
         bins = self.settings.calibration_bins
         hits = [n > 0 for n in num_accepted] if first_hits is None else first_hits
+        # k draft steps and a verify forward over k + 1 tokens at its price (`verify_pricer`: a single
+        # row's measured per width where lookups and trees are priced so too; a batch's line)
+        round_cost = num_drafted * self.cost + self.verify_width_cost(num_drafted + 1)
         for r, n in enumerate(num_accepted):
             reached = min(n + 1, num_drafted)
             for i in range(reached):
@@ -766,7 +779,7 @@ class DraftPolicy:
                     b = min(int(confidences[r][i] * bins), bins - 1)
                     s.calib_accepted[b] += accepted
                     s.calib_reached[b] += 1
-            row_rate = (n + 1) / (1 + num_drafted * (self.cost + self.verify_cost)) if rate is None else rate
+            row_rate = (n + 1) / round_cost if rate is None else rate
             s.draft_rate = row_rate if s.draft_rate is None else _ema(s.draft_rate, row_rate, w)
         # probe backoff: a failed probe doubles the wait, a draft that pays resets it
         wait = s.probe_wait or self.settings.probe_interval

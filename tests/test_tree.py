@@ -12,7 +12,8 @@ from hf_specdec.cache import extend_tree, keep_path, new_cache
 from hf_specdec.policy import DraftPolicy, PolicySettings
 from hf_specdec.proposals.base import Tree
 from hf_specdec.proposals.tree import (
-    Trie, ancestors_mask, depths, ngram_continuations, path_tokens, retrieval_reach,
+    Trie, ancestors_mask, depths, longest_matches, match_bucket, match_length, ngram_continuations, path_tokens,
+    retrieval_reach, retrieve,
 )
 from hf_specdec.stats import DRAFT, NGRAM
 from hf_specdec.verify import greedy_tree_verification, tree_speculative_sampling
@@ -33,6 +34,43 @@ def test_continuations_are_distinct_most_recent_first_for_the_longest_match():
     assert ngram_continuations(torch.tensor([1, 2, 3, 4]), 3, 2, 5, 4) == []
     # the first continuation is prompt lookup's proposal
     assert ngram_continuations(seq, 3, 2, 3, 8)[0] == hf_specdec.proposals.ngram_lookup(seq, 3, 2, 3).tolist()
+
+
+def test_matches_are_measured_past_the_ngram_and_the_longest_is_followed():
+    """The last 2-gram (1, 5) occurs at 1, 7 and 12; measured further back, the occurrence at 7 matches
+    5 tokens (8, 4, 3, 1, 5 as at the end), the others 2 and 3. With a cap above n only the longest
+    match's size bucket is kept, longest first, then earliest; without one, every occurrence, most
+    recent first."""
+    seq = [0, 1, 5, 2, 8, 4, 3, 1, 5, 7, 9, 3, 1, 5, 6, 8, 4, 3, 1, 5]
+    starts = [1, 7, 12]
+    assert [match_length(seq, s, 2, 32) for s in starts] == [2, 5, 3]
+    assert match_length(seq, 7, 2, 4) == 4  # the cap
+    assert [match_bucket(m, 3) for m in (1, 2, 3, 4, 7, 8, 15, 16, 40)] == [1, 2, 3, 4, 4, 8, 8, 16, 32]
+    assert [match_bucket(m, 5) for m in (5, 6, 7, 8)] == [5, 6, 6, 8]  # never below max_ngram + 1
+    assert longest_matches(seq, starts, 2, 3, 32) == ([7], 4)
+    assert longest_matches(seq, starts, 2, 3, 0) == ([12, 7, 1], 2)  # off: most recent first, size n
+    assert longest_matches(seq, starts, 2, 3, 3) == ([7, 12], 3)  # capped at 3: 7 counts as 3, as 12 does; earliest first
+    ids = torch.tensor(seq)
+    assert retrieve(ids, 2, 1, 3, 8, 32) == ([[7, 9, 3]], 4)
+    assert retrieve(ids, 2, 1, 3, 8, 0) == ([[6, 8, 4], [7, 9, 3], [2, 8, 4]], 2)
+    tokens, size = hf_specdec.proposals.ngram_match(ids, 2, 1, 3, 32)
+    assert tokens.tolist() == [7, 9, 3] and size == 4
+    tokens, size = hf_specdec.proposals.ngram_match(ids, 2, 1, 3)
+    assert tokens.tolist() == [6, 8, 4] and size == 2
+    with pytest.raises(ValueError, match="ngram_match_cap"):
+        hf_specdec.SpeculativeConfig(ngram_match_cap=-1)
+
+
+def test_a_long_matchs_acceptance_is_learned_apart_and_lengthens_the_lookup():
+    """Lookups after 3-token matches accepted for one token then rejected, after matches of 8-15
+    tokens accepted whole: the cost model learns about 0.5 and about 1 per position, and proposes a
+    few tokens after the first, the whole continuation after the second."""
+    policy = DraftPolicy(PolicySettings(max_draft_tokens=16, verify_cost=0.05, price_by_width=False))
+    for _ in range(40):
+        policy.observe_lookup(12, 1, 3)
+        policy.observe_lookup(12, 12, 8)
+    assert policy.ngram_acceptance_for(8) > 0.95 and 0.4 < policy.ngram_acceptance_for(3) < 0.6
+    assert policy.ngram_length(12, size=3)[0] <= 4 and policy.ngram_length(12, size=8)[0] == 12
 
 
 def test_trie_merges_shared_prefixes_and_counts_continuations():

@@ -16,7 +16,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..config import SpeculativeConfig
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
-from .tree import retrieve
+from .tree import longest_matches, retrieve
 
 _DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator
 
@@ -32,17 +32,25 @@ def ngram_lookup(
     return ngram_match(sequence, max_ngram, min_ngram, max_tokens)[0]
 
 
-def ngram_match(sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int) -> tuple[torch.Tensor, int]:
-    """`ngram_lookup`'s continuation and the size n of the match it follows (0: no match). The cost
-    model keeps a running acceptance per match size: a 1-token match is a weaker clue than a 3-token one."""
+def ngram_match(
+    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, match_cap: int = 0
+) -> tuple[torch.Tensor, int]:
+    """`ngram_lookup`'s continuation and the size of the match it follows (0: no match). The cost
+    model keeps a running acceptance per match size: a 1-token match is a weaker clue than a 3-token
+    one. With `match_cap` above n, the occurrence followed is the one whose match reaches furthest
+    back (the earliest among equals) and the size is its bucket (`hf_specdec.proposals.tree.longest_matches`)."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         suffix = sequence[length - n :]
         windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]: every earlier n-gram
         starts = (windows == suffix).all(dim=1).nonzero().flatten()
-        if starts.numel():  # the most recent occurrence; it always has a continuation (it ends before the last token)
-            follow = int(starts[-1]) + n
-            return sequence[follow : follow + max_tokens], n
+        if starts.numel():  # every occurrence has a continuation (it ends before the last token)
+            if match_cap <= n:  # the most recent occurrence
+                follow, size = int(starts[-1]) + n, n
+            else:
+                ordered, size = longest_matches(sequence.tolist(), starts.tolist(), n, max_ngram, match_cap)
+                follow = ordered[0] + n
+            return sequence[follow : follow + max_tokens], size
     return sequence.new_empty(0), 0
 
 
@@ -56,18 +64,21 @@ class NgramDrafter(Drafter):
         max_ngram: int = _DEFAULTS.ngram_max_size,
         min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
         max_tokens: int = _DEFAULTS.ngram_max_tokens,
+        match_cap: int = _DEFAULTS.ngram_match_cap,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        self.max_ngram, self.min_ngram, self.max_tokens = max_ngram, min_ngram, max_tokens
+        if match_cap < 0:
+            raise ValueError(f"match_cap must be >= 0, got {match_cap}")
+        self.max_ngram, self.min_ngram, self.max_tokens, self.match_cap = max_ngram, min_ngram, max_tokens, match_cap
 
     def propose(self, request: DraftRequest) -> Proposal:
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        tokens, size = ngram_match(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget)
+        tokens, size = ngram_match(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, self.match_cap)
         return Proposal(tokens[None], draft_probs=None, source=self.source, match_sizes=[size])  # [1, L]
 
     def lookup_rows(self, request: DraftRequest) -> list[torch.Tensor]:
@@ -77,7 +88,7 @@ class NgramDrafter(Drafter):
     def match_rows(self, request: DraftRequest) -> list[tuple[torch.Tensor, int]]:
         """Each row's lookup and the size of the match it follows (`ngram_match`)."""
         budget = min(self.max_tokens, request.max_tokens)
-        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget) for seq in request.prefixes.sequences]
+        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap) for seq in request.prefixes.sequences]
 
     def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
         """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
@@ -89,7 +100,7 @@ class NgramDrafter(Drafter):
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        return retrieve(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches)
+        return retrieve(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches, self.match_cap)
 
 
 class NgramCandidateGenerator(CandidateGenerator):

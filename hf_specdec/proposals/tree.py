@@ -90,9 +90,12 @@ def ngram_continuations(
 
 
 def retrieve(
-    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, max_branches: int
+    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, max_branches: int, match_cap: int = 0
 ) -> tuple[list[list[int]], int]:
-    """`ngram_continuations` and the size n of the match they follow (0: no match)."""
+    """`ngram_continuations` and the size of the match they follow (0: no match). With `match_cap`
+    above n, each occurrence's match is measured further back (`match_length`) and only the
+    occurrences whose match falls in the longest one's size bucket (`match_bucket`) contribute,
+    longest first, then earliest; the size returned is that bucket."""
     length = sequence.shape[0]
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
         windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]
@@ -100,9 +103,10 @@ def retrieve(
         if not starts:
             continue
         host = sequence.tolist()
+        starts, size = longest_matches(host, starts, n, max_ngram, match_cap)
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
-        for start in reversed(starts):
+        for start in starts:
             follow = start + n
             continuation = tuple(host[follow : follow + max_tokens])
             if continuation and continuation not in seen:
@@ -110,8 +114,39 @@ def retrieve(
                 out.append(list(continuation))
                 if len(out) == max_branches:
                     break
-        return out, n
+        return out, size
     return [], 0
+
+
+def match_length(host: list[int], start: int, n: int, cap: int) -> int:
+    """How many tokens the occurrence of the last n tokens at `start` matches: n, plus every token
+    before it that equals the one before the sequence's suffix, at most `cap` in all."""
+    length, matched = len(host), n
+    while matched < cap and start - 1 - (matched - n) >= 0 and host[start - 1 - (matched - n)] == host[length - 1 - matched]:
+        matched += 1
+    return matched
+
+
+def match_bucket(matched: int, max_ngram: int) -> int:
+    """The size a match of `matched` tokens is counted under: itself up to `max_ngram`, then powers of
+    two (4-7 as 4, 8-15 as 8, ... with max_ngram = 3), never below max_ngram + 1."""
+    if matched <= max_ngram:
+        return matched
+    return max(max_ngram + 1, 1 << (matched.bit_length() - 1))
+
+
+def longest_matches(host: list[int], starts: list[int], n: int, max_ngram: int, cap: int) -> tuple[list[int], int]:
+    """(occurrences, size): of the occurrences `starts` (ascending) of the last n tokens, those in the
+    longest match's size bucket, longest first, then earliest (as transformers' prompt lookup takes
+    the first match: replayed on the real pair's greedy outputs, the earliest of equal matches
+    continued them in fewer rounds than the most recent, evals/results/match-length/); and that size.
+    With `cap` <= n: every occurrence, most recent first, and size n."""
+    if cap <= n:
+        return starts[::-1], n
+    matched = {start: match_length(host, start, n, cap) for start in starts}
+    size = max(match_bucket(m, max_ngram) for m in matched.values())
+    kept = [start for start in starts if match_bucket(matched[start], max_ngram) == size]
+    return sorted(kept, key=lambda start: (-matched[start], start)), size
 
 
 def retrieval_reach(
@@ -213,4 +248,7 @@ def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
     return out[::-1]
 
 
-__all__ = ["Trie", "ancestors_mask", "depths", "ngram_continuations", "path_tokens", "retrieval_reach", "retrieve", "subtree"]
+__all__ = [
+    "Trie", "ancestors_mask", "depths", "longest_matches", "match_bucket", "match_length", "ngram_continuations", "path_tokens",
+    "retrieval_reach", "retrieve", "subtree",
+]

@@ -168,7 +168,9 @@ def test_a_packed_draft_with_int8_copies_drafts_with_them_and_decoding_stays_exa
     """The draft's one-token steps go through its int8 copies and its prompt encoding through the packed
     weights; greedy output equals plain greedy (q is whatever the draft computed)."""
     target = tiny_model("qwen2", seed=3)
-    draft = perturbed(target, 0.3).to(torch.bfloat16)
+    # noise 0.1: the draft's tokens are accepted often enough (12 of 27 first tokens in chains) that
+    # "something was accepted" does not rest on one token (at 0.3, 1 of 12, and 0 after a lookup change)
+    draft = perturbed(target, 0.1).to(torch.bfloat16)
     pack_linears(target)
     pack_linears(draft, decode_bits=8)
     rows, copy_calls = [], []  # input rows of every call to one of the draft's layers; those its int8 copy took

@@ -665,8 +665,10 @@ def _start(
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
     wants_trees = (not generation_config.do_sample) if config.tree is None else config.tree  # None: greedy only
     trees = wants_trees and use_lookup and rows == 1 and unpadded and can_gather((cache, drafter.cache))
-    lookup = (NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees), config.ngram_max_tokens, config.ngram_match_cap)
-              if use_lookup else None)
+    lookup = None
+    if use_lookup:
+        lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees), config.ngram_max_tokens,
+                              config.ngram_match_cap)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")

@@ -49,7 +49,8 @@ def test_matches_are_measured_past_the_ngram_and_the_longest_is_followed():
     assert [match_bucket(m, 5) for m in (5, 6, 7, 8)] == [5, 6, 6, 8]  # never below max_ngram + 1
     assert longest_matches(seq, starts, 2, 3, 32) == ([7], 4)
     assert longest_matches(seq, starts, 2, 3, 0) == ([12, 7, 1], 2)  # off: most recent first, size n
-    assert longest_matches(seq, starts, 2, 3, 3) == ([7, 12], 3)  # capped at 3: 7 counts as 3, as 12 does; earliest first
+    # capped at 3: the match at 7 counts as 3, as the one at 12 does; the earliest first
+    assert longest_matches(seq, starts, 2, 3, 3) == ([7, 12], 3)
     ids = torch.tensor(seq)
     assert retrieve(ids, 2, 1, 3, 8, 32) == ([[7, 9, 3]], 4)
     assert retrieve(ids, 2, 1, 3, 8, 0) == ([[6, 8, 4], [7, 9, 3], [2, 8, 4]], 2)

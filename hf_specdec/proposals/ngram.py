@@ -78,7 +78,8 @@ class NgramDrafter(Drafter):
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        tokens, size = ngram_match(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, self.match_cap)
+        sequence = request.prefixes.sequences[0]
+        tokens, size = ngram_match(sequence, self.max_ngram, self.min_ngram, budget, self.match_cap)
         return Proposal(tokens[None], draft_probs=None, source=self.source, match_sizes=[size])  # [1, L]
 
     def lookup_rows(self, request: DraftRequest) -> list[torch.Tensor]:
@@ -88,7 +89,8 @@ class NgramDrafter(Drafter):
     def match_rows(self, request: DraftRequest) -> list[tuple[torch.Tensor, int]]:
         """Each row's lookup and the size of the match it follows (`ngram_match`)."""
         budget = min(self.max_tokens, request.max_tokens)
-        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap) for seq in request.prefixes.sequences]
+        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap)
+                for seq in request.prefixes.sequences]
 
     def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
         """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
@@ -100,7 +102,8 @@ class NgramDrafter(Drafter):
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         budget = min(self.max_tokens, request.max_tokens)
-        return retrieve(request.prefixes.sequences[0], self.max_ngram, self.min_ngram, budget, max_branches, self.match_cap)
+        sequence = request.prefixes.sequences[0]
+        return retrieve(sequence, self.max_ngram, self.min_ngram, budget, max_branches, self.match_cap)
 
 
 class NgramCandidateGenerator(CandidateGenerator):

@@ -122,7 +122,9 @@ def match_length(host: list[int], start: int, n: int, cap: int) -> int:
     """How many tokens the occurrence of the last n tokens at `start` matches: n, plus every token
     before it that equals the one before the sequence's suffix, at most `cap` in all."""
     length, matched = len(host), n
-    while matched < cap and start - 1 - (matched - n) >= 0 and host[start - 1 - (matched - n)] == host[length - 1 - matched]:
+    while matched < cap and start - 1 - (matched - n) >= 0:
+        if host[start - 1 - (matched - n)] != host[length - 1 - matched]:
+            break
         matched += 1
     return matched
 
@@ -249,6 +251,6 @@ def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
 
 
 __all__ = [
-    "Trie", "ancestors_mask", "depths", "longest_matches", "match_bucket", "match_length", "ngram_continuations", "path_tokens",
-    "retrieval_reach", "retrieve", "subtree",
+    "Trie", "ancestors_mask", "depths", "longest_matches", "match_bucket", "match_length", "ngram_continuations",
+    "path_tokens", "retrieval_reach", "retrieve", "subtree",
 ]

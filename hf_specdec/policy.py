@@ -66,9 +66,9 @@ A CPU's GEMM kernels need not follow a line at all: on the packed 1.5B target on
 EPYC a forward over 2 tokens costs 1.15-1.25 one-token steps and one over 5 tokens 0.78-0.92 (the
 eval's cost table, evals/results/greedy-widths/). So a single row also prices each verify width by
 its own running mean time once a few rounds of that width were timed (`price_by_width`;
-`verify_curve` pins the prices), the line pricing the widths not timed yet. Nodes and draft lengths are then chosen for the best rate over
-every length, not by whether the next token pays: a tree takes the prefix of its best-first nodes
-with the highest expected tokens per unit of cost, and the draft goes on while stopping at some
+`verify_curve` pins the prices), the line pricing the widths not timed yet. Nodes and draft lengths
+are then chosen for the best rate over every length, not by whether the next token pays: a tree
+takes the prefix of its best-first nodes with the highest expected tokens per unit of cost, and the draft goes on while stopping at some
 later length beats stopping now (on a line, where the rate has one peak, both are the marginal rules).
 
 None of this touches exactness: every decision depends only on the past and on the draft's own
@@ -551,8 +551,9 @@ class DraftPolicy:
             return
         seen = seen_by.get(key, 0)
         weight = max(w, 1 / (seen + 1 + self.settings.ngram_prior_observations))
-        start = s.ngram_acceptance if estimates is s.ngram_acceptance_by_depth else self._size_prior(key)
-        estimates[key] = _ema(estimates.get(key, start), accepted, weight)
+        if key not in estimates:  # a new size or depth starts from its prior
+            estimates[key] = s.ngram_acceptance if estimates is s.ngram_acceptance_by_depth else self._size_prior(key)
+        estimates[key] = _ema(estimates[key], accepted, weight)
         seen_by[key] = seen + 1
 
     def ngram_length(self, available: int, rows: int = 1, size: int | None = None) -> tuple[int, float]:
@@ -765,9 +766,8 @@ class DraftPolicy:
         w = self.settings.ema_weight / max(1, len(num_accepted))
         bins = self.settings.calibration_bins
         hits = [n > 0 for n in num_accepted] if first_hits is None else first_hits
-        # k draft steps and a verify forward over k + 1 tokens at its price (`verify_pricer`: a single
-        # row's measured per width where lookups and trees are priced so too; a batch's line)
-        round_cost = num_drafted * self.cost + self.verify_width_cost(num_drafted + 1)
+        if rate is None:  # k draft steps and a verify forward over k + 1 tokens at its price (`verify_pricer`)
+            round_cost = num_drafted * self.cost + self.verify_width_cost(num_drafted + 1)
         for r, n in enumerate(num_accepted):
             reached = min(n + 1, num_drafted)
             for i in range(reached):

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from hf_specdec import SpeculativeConfig
+
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # new tokens in a forward: plain, k + 1 for k up to 8, n-gram proposals
 CONTEXTS = (64, 256, 1024)  # cached tokens
 PREFILLS = (16, 64, 256, 1024)  # prompt tokens
@@ -70,8 +72,9 @@ class CostTable:
     def pinned_costs(self, context: int, draft: str = "hf") -> dict[str, float]:
         """hf_specdec's cost-model inputs at `context`: c = draft step / target step, d = the
         least-squares slope of target forward time against width up to 9 tokens, e = the slope
-        from 9 tokens to the widest measured, less d, and the verify curve: every width's price up
-        to the widest measured (`price_by_width`); all over the target step."""
+        from 9 tokens to the widest measured, less d, the verify curve: every width's price up
+        to the widest measured (`price_by_width`), and the draft's prefill per token (at its default
+        window); all over the target step."""
         step = self.forward("target", 1, context)
         xs = [w - 1 for w in self.widths if w <= 9]
         ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
@@ -84,8 +87,10 @@ class CostTable:
             rise = self.forward("target", wide[-1], context) - self.forward("target", wide[0], context)
             knee = max(0.0, rise / (wide[-1] - wide[0]) / step - d)
         curve = tuple(round(self.forward("target", w, context) / step, 4) for w in range(1, self.widths[-1] + 1))
+        # the draft's prefill per token, at the tokens it encodes (the prompt, or the draft's window of it)
+        encoded = min(context, SpeculativeConfig().draft_window or context)
         return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee,
-                    verify_curve=curve)
+                    verify_curve=curve, draft_prefill_cost=self.forward(draft, encoded, 0) / encoded / step)
 
     def alias(self, name: str, like: str) -> None:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""

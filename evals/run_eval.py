@@ -69,6 +69,9 @@ ABLATIONS = {
     # Lookups sized by their n-gram only (1-3 tokens), most recent occurrence first: not measured
     # further back, no longest-match buckets (`ngram_match_cap`).
     "hf_ngram_only_size": dict(config=dict(ngram_match_cap=0)),
+    # The draft's prefill priced as before the table's own prefill price was pinned: 0.35 d per token
+    # (d: the verify curve's slope, 0.00-0.01 on the packed 1.5B target: the prefill nearly free).
+    "hf_prefill_by_d": dict(draft_prefill_cost=None),
 }
 # hf_specdec with another draft (`--second-draft`, e.g. a distilled one: evals/distill.py), quantized as
 # the first and, where a saved cost table has no price for it, priced as the first (same architecture).

@@ -100,6 +100,11 @@ class SpeculativeConfig:
     # tokens in target steps (the first normally 1.0), wider forwards on its last segment. With
     # draft_cost also pinned, the cost model reads no clock. d and e, unless pinned, are the curve's.
     verify_curve: tuple[float, ...] | None = None
+    # Pin the draft's encoding of one prompt token, in target steps, instead of measuring it online
+    # (0.35 times the target's own, timed on the prompt's encoding; `hf_specdec.policy`). The cost
+    # model weighs it before starting a cold draft. With the other costs pinned and this not, it is
+    # priced 0.35 d (d: one more verify token), as pinned runs read no clock.
+    draft_prefill_cost: float | None = None
 
     def lookup_min_size(self, trees: bool) -> int:
         """The shortest n-gram match proposed, in tree rounds or not (`ngram_min_size`)."""
@@ -134,7 +139,7 @@ class SpeculativeConfig:
             raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
         if self.draft_window is not None and (not isinstance(self.draft_window, int) or self.draft_window < 1):
             raise ValueError(f"draft_window must be a positive integer or None, got {self.draft_window!r}")
-        for name in ("draft_cost", "verify_cost", "verify_knee_cost"):
+        for name in ("draft_cost", "verify_cost", "verify_knee_cost", "draft_prefill_cost"):
             value = getattr(self, name)
             if value is not None and not value >= 0:
                 raise ValueError(f"{name} must be >= 0 (or None), got {value!r}")

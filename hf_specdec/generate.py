@@ -92,6 +92,7 @@ def speculative_generate(
     verify_knee_cost: float | None = None,
     price_by_width: bool | None = None,
     verify_curve: tuple[float, ...] | list[float] | None = None,
+    draft_prefill_cost: float | None = None,
     tree: bool | None = None,
     draft_window: int | None | str = "default",
     speculative_config: SpeculativeConfig | None = None,
@@ -113,7 +114,7 @@ def speculative_generate(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
         verify_knee_cost=verify_knee_cost, price_by_width=price_by_width, verify_curve=verify_curve, tree=tree,
-        draft_window=draft_window,
+        draft_prefill_cost=draft_prefill_cost, draft_window=draft_window,
     )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
@@ -655,6 +656,7 @@ def _start(
         draft_cost=config.draft_cost, verify_cost=config.verify_cost, verify_knee_cost=config.verify_knee_cost, rows=rows,
         price_by_width=config.price_by_width, verify_curve=config.verify_curve,
         prefill_patience=config.prefill_patience, ngram_depths=config.ngram_depths,
+        draft_prefill_cost=config.draft_prefill_cost,
     ))
     cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse
     known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)

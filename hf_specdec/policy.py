@@ -30,8 +30,9 @@ Three decisions, each maximising expected tokens per unit of cost (Leviathan et 
   the proposal emits 1 + sum_{i<=L} g_1 ... g_i.
 
 * the draft's prefill: before the draft model has encoded the prompt, drafting costs that encoding
-  too, P = rho * d * n for n prompt tokens (rho: draft over target prefill time per token; d, the
-  verify token cost, is what one more token costs the target). Over the R tokens still to generate,
+  too, P = rho * u * n for n prompt tokens (rho: draft over target prefill time per token; u: the
+  target's encoding of one prompt token, measured from the prompt's; d until then, or pinned as
+  `draft_prefill_cost` = rho * u). Over the R tokens still to generate,
   a draft of rate r then has the effective rate R' / (R' / r + P), R' = R (1 - s) the tokens it is
   expected to draft (s: the share of rounds so far in which retrieval beat a warm draft, shrunk
   toward 0): it is used only where that beats the alternative (retrieval, or a plain step at rate
@@ -126,6 +127,9 @@ class PolicySettings:
     # rho: draft prefill time over the target's for the same tokens. Measured on the real pair (0.5B
     # int8 draft, 1.5B target, 2 CPU cores, 380-1300-token prompts): 0.31-0.37.
     prefill_ratio: float = 0.35
+    # Pin the draft's encoding of one prompt token, in target steps (P / n), instead of rho times the
+    # target's own encoding of one token as measured from the prompt's (`prefill_cost`).
+    draft_prefill_cost: float | None = None
     # The draft's prefill is spread over the tokens the draft is expected to draft: the tokens still
     # to generate times the share of rounds in which retrieval would not beat a warm draft. The share
     # starts from this many pseudo-rounds in which retrieval lost (so one lucky lookup decides nothing).
@@ -573,8 +577,27 @@ class DraftPolicy:
         return best, best_rate
 
     def prefill_cost(self, tokens: int) -> float:
-        """P: the draft encoding `tokens` tokens, in target steps (rho * d * tokens)."""
-        return self.settings.prefill_ratio * self.verify_cost * tokens
+        """P: the draft encoding `tokens` tokens, in target steps: `draft_prefill_cost` per token if
+        pinned, else rho times what one token of the prompt's encoding cost the target
+        (`encoding_cost`)."""
+        per_token = self.settings.draft_prefill_cost
+        if per_token is None:
+            per_token = self.settings.prefill_ratio * self.encoding_cost
+        return per_token * tokens
+
+    @property
+    def encoding_cost(self) -> float:
+        """The target's encoding of one prompt token, in target steps: the prompt's encoding time over
+        its columns and the step, once a step has been timed (from 8 columns: a shorter prompt's time is
+        mostly overhead), else d. A forward bound by reading the weights encodes a token for about d;
+        one bound by compute does not (the packed 1.5B target on a 2-core AVX-512 EPYC: d 0.00-0.01 on
+        its verify curve, a prompt token 0.036 steps), so d priced the draft's prefill at almost
+        nothing there. A cost model that reads no clock (costs pinned) keeps d: pin
+        `draft_prefill_cost` with the others."""
+        s, step = self.state, self.target_step_seconds if self.measures_time else None
+        if step and s.prefill_columns >= 8 and s.prefill_seconds > 0:
+            return s.prefill_seconds / s.prefill_columns / step
+        return self.verify_cost
 
     @property
     def retrieval_share(self) -> float:

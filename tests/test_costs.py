@@ -55,6 +55,7 @@ def test_pinned_costs_and_drift_from_the_table():
     assert pins["verify_knee_cost"] == 0.0  # nothing measured past 9 tokens
     # every width's price up to the widest measured, over the step (interpolated between grid widths)
     assert pins["verify_curve"] == pytest.approx([1.0 + 0.1 * (w - 1) for w in range(1, 10)])
+    assert pins["draft_prefill_cost"] == pytest.approx(0.1 / 100 / 1.0)  # the draft's 100-token prefill per token
     dip = hand_table()
     dip.forwards["target"][0][1] = 0.8  # 3 tokens cheaper than 1 at context 100: the curve shows it
     assert dip.pinned_costs(100)["verify_curve"][:3] == pytest.approx([1.0, 0.9, 0.8])

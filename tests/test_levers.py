@@ -696,6 +696,55 @@ def test_policy_counts_the_drafts_prefill():
     assert policy.should_draft(300, 200)
 
 
+def test_the_drafts_prefill_is_priced_from_the_prompts_encoding_not_the_verify_slope():
+    """Where one more verify token costs the target nothing (d = 0: a flat verify curve, as the packed
+    1.5B target's on a 2-core AVX-512 CPU nearly is), a prompt token still costs it compute: the draft's
+    prefill is priced at rho times the target's encoding of one prompt token, timed on the prompt's,
+    not at rho d (which had priced it at nothing, so that the ski rental never waited). Pinned, it is
+    `draft_prefill_cost` per token; a cost model that reads no clock keeps rho d."""
+    flat = (1.0, 1.0, 1.0, 1.0, 1.0)
+    policy = DraftPolicy(PolicySettings(verify_curve=flat))  # c not pinned: the clock is read
+    assert policy.verify_cost == 0.0 and policy.prefill_cost(256) == 0.0  # nothing timed yet: rho d
+    policy.observe_timing(0.0, 0, 16.0, width=1, columns=400)  # the prompt: 400 columns in 16 s
+    for _ in range(3):
+        policy.observe_timing(0.0, 0, 0.4, width=1)  # plain steps of 0.4 s
+    assert policy.encoding_cost == pytest.approx(16.0 / 400 / 0.4)  # 0.1 step a prompt token
+    assert policy.prefill_cost(256) == pytest.approx(0.35 * 0.1 * 256)
+    assert not policy.prefill_earned(256)  # the ski rental now waits for ~9 steps of loss
+    short = DraftPolicy(PolicySettings(verify_curve=flat))
+    short.observe_timing(0.0, 0, 2.0, width=1, columns=5)  # 5 columns: mostly overhead, not a price
+    short.observe_timing(0.0, 0, 0.4, width=1)
+    assert short.prefill_cost(256) == 0.0
+    pinned = DraftPolicy(PolicySettings(verify_curve=flat, draft_cost=0.2))  # reads no clock
+    pinned.observe_timing(0.0, 0, 16.0, width=1, columns=400)
+    pinned.observe_timing(0.0, 0, 0.4, width=1)
+    assert pinned.prefill_cost(256) == 0.0
+    pinned_prefill = DraftPolicy(PolicySettings(verify_curve=flat, draft_cost=0.2, draft_prefill_cost=0.01))
+    assert pinned_prefill.prefill_cost(256) == pytest.approx(2.56)
+    with pytest.raises(ValueError, match="draft_prefill_cost"):
+        hf_specdec.SpeculativeConfig(draft_prefill_cost=-0.1)
+
+
+def test_a_pinned_draft_prefill_cost_reaches_the_cost_model(arch):
+    """Through `generate`: a 300-token prompt (trees on), costs pinned. A free draft prefill starts
+    the draft in the first round that may guess (round 2); one priced at 0.01 step a token (3 steps)
+    only once the rounds without it have lost that much, or never; one at 1 step a token never. The
+    outputs equal greedy."""
+    target = tiny_model(arch, seed=11)
+    draft = perturbed(target, noise=0.1)
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(2, 64, (1, 300), generator=gen)
+    plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+    first = {}
+    for per_token in (0.0, 0.01, 1.0):
+        rounds = []
+        out = spec(target, draft, prompt, max_new_tokens=40, draft_cost=0.25, verify_cost=0.03,
+                   draft_prefill_cost=per_token, acceptance_sink=rounds.append)
+        assert torch.equal(out.sequences, plain)
+        first[per_token] = min((r.round for r in rounds if r.source == "draft"), default=math.inf)
+    assert first[0.0] <= 2 < first[0.01] and first[1.0] == math.inf
+
+
 def test_a_cold_draft_waits_until_the_rounds_without_it_have_lost_its_prefill():
     """Ski rental: rounds taken while the draft is cold add what they lost against a warm draft's
     expected rate; the draft may start once that reaches its prefill's cost, and rounds whose

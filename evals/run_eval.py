@@ -643,6 +643,9 @@ def main(config: EvalConfig) -> dict | None:
             if spec:
                 bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
     records = gather_object(records)
+    # The last collective: leave the process group now, on every rank (a rank that exits with gloo's
+    # threads still running can die with "terminate called without an active exception").
+    accelerator.end_training()
     if not accelerator.is_main_process:
         partial.unlink()
         return None

@@ -190,9 +190,10 @@ def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts
                     table: CostTable) -> list[dict]:
     """Every mode and method of `config` on one prompt, plain first: one record each."""
     input_ids = torch.tensor([prompt["input_ids"]], device=target.device)
-    pins = {name: table.pinned_costs(input_ids.shape[1], name) for name in drafts}
     records = []
     for mode in config.modes:
+        window = hf_specdec.SpeculativeConfig().window_for(bool(MODES[mode].get("do_sample")))  # the default's
+        pins = {name: table.pinned_costs(input_ids.shape[1], name, window) for name in drafts}
         plain = None  # (record, sequences, scores) of plain decoding in this mode
         for method in config.methods:
             for timer in timers.values():

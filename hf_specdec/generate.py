@@ -707,7 +707,9 @@ def _drafter(
         vocab = assistant.get_output_embeddings().weight.shape[0]
         vocabulary = _draft_vocabulary(config.draft_vocab_size, vocab, input_ids, generation_config)
     # The window needs full-attention layers (zero columns hidden by the mask) and a single row.
-    window = config.draft_window if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]) else None
+    window = None
+    if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):
+        window = config.window_for(bool(generation_config.do_sample))
     drafter = DraftModelDrafter(assistant, draft_processor, bool(generation_config.do_sample), generator, vocabulary,
                                 window=window)
     return drafter, False

@@ -125,19 +125,24 @@ def test_stop_strings_in_the_directory_form():
 
 
 def test_an_explicit_draft_window_of_none_encodes_the_whole_prompt():
-    """draft_window=None given to generate() means the whole prompt (None had meant "not given": 256)."""
+    """draft_window=None given to generate() means the whole prompt (None had meant "not given": the default)."""
     target = tiny_model("llama", seed=8)
     draft = perturbed(target, noise=0.5)
     prompt = torch.randint(1, 64, (1, 300), generator=torch.Generator().manual_seed(0))
-    for window, encoded in (("default", 256), (None, 300), (64, 64)):
+    # the default ("auto"): 64 tokens in greedy calls, 256 when sampling
+    for window, sample, encoded in (("default", False, 64), ("default", True, 256), (None, False, 300),
+                                    (256, False, 256), (128, True, 128)):
         widths = []
         hook = draft.register_forward_pre_hook(lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]),
                                                with_kwargs=True)
         kwargs = {} if window == "default" else dict(draft_window=window)
-        target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+        target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=sample,
                         max_new_tokens=4, adaptive=False, ngram=False, **kwargs)
         hook.remove()
-        assert widths[0] == encoded, (window, widths)
+        assert widths[0] == encoded, (window, sample, widths)
+    for bad in ("big", 0, True):
+        with pytest.raises(ValueError, match="draft_window"):
+            hf_specdec.SpeculativeConfig(draft_window=bad)
 
 
 # ---------------------------------------------------------------- outputs, streamers, stats

@@ -726,7 +726,7 @@ def test_the_drafts_prefill_is_priced_from_the_prompts_encoding_not_the_verify_s
 
 
 def test_a_pinned_draft_prefill_cost_reaches_the_cost_model(arch):
-    """Through `generate`: a 300-token prompt (trees on), costs pinned. A free draft prefill starts
+    """Through `generate`: a 300-token prompt, all of it in the draft (trees on), costs pinned. A free draft prefill starts
     the draft in the first round that may guess (round 2); one priced at 0.01 step a token (3 steps)
     only once the rounds without it have lost that much, or never; one at 1 step a token never. The
     outputs equal greedy."""
@@ -739,7 +739,7 @@ def test_a_pinned_draft_prefill_cost_reaches_the_cost_model(arch):
     for per_token in (0.0, 0.01, 1.0):
         rounds = []
         out = spec(target, draft, prompt, max_new_tokens=40, draft_cost=0.25, verify_cost=0.03,
-                   draft_prefill_cost=per_token, acceptance_sink=rounds.append)
+                   draft_prefill_cost=per_token, acceptance_sink=rounds.append, draft_window=None)
         assert torch.equal(out.sequences, plain)
         first[per_token] = min((r.round for r in rounds if r.source == "draft"), default=math.inf)
     assert first[0.0] <= 2 < first[0.01] and first[1.0] == math.inf
@@ -771,7 +771,7 @@ def test_with_retrieval_a_long_prompts_draft_starts_only_after_its_prefill_is_ea
     plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
     rounds = []
     out = spec(target, draft, prompt=prompt, max_new_tokens=40, draft_cost=0.25, verify_cost=0.03,
-               acceptance_sink=rounds.append)
+               acceptance_sink=rounds.append, draft_window=256)
     assert torch.equal(out.sequences, plain)
     sources = [r.source for r in rounds]
     assert DRAFT in sources  # 40 tokens pay for the draft's 256-token window in the end ...
@@ -814,7 +814,8 @@ def test_a_cold_draft_that_cannot_pay_for_its_prefill_is_never_run(arch):
     draft = perturbed(target, noise=0.1)
     prompt = torch.randint(2, 64, (1, 600), generator=torch.Generator().manual_seed(0))
     plain = target.generate(prompt, do_sample=False, max_new_tokens=4)
-    out = spec(target, draft, prompt=prompt, max_new_tokens=4, ngram=False, draft_cost=0.25, verify_cost=0.03)
+    out = spec(target, draft, prompt=prompt, max_new_tokens=4, ngram=False, draft_cost=0.25, verify_cost=0.03,
+               draft_window=256)  # 256 tokens to encode (greedy's default window, 64, could pay for 4 tokens)
     assert torch.equal(out.sequences, plain)
     assert out.acceptance.draft_forwards == 0 and out.acceptance.plain_rounds == 4
     out = spec(target, draft, prompt=prompt[:, :40], max_new_tokens=4, ngram=False, draft_cost=0.25, verify_cost=0.03)

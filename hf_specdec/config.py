@@ -85,10 +85,9 @@ class SpeculativeConfig:
     # tokens in greedy calls, 256 when sampling. Greedy replays of the standard preset's 35 prompts
     # (evals/results/prefill-priced/): 64 against 256, summarization 1.021 against 0.960 and RAG 1.162
     # against 1.121 over the faster transformers method (modelled, geometric means), translation 0.985x,
-    # math 1.031x; a
-    # greedy round needs the draft's argmax, which reads less context than its whole distribution. In
-    # seeded sampling replays 64 lost RAG (3 of 5 prompts slower, 0.995x plain against 1.225x):
-    # sampling keeps 256.
+    # math 1.031x; a greedy round needs the draft's argmax, which reads less context than its whole
+    # distribution. In seeded sampling replays 64 lost RAG (3 of 5 prompts slower, 0.995x plain against
+    # 1.225x): sampling keeps 256. Standard greedy run with it: evals/results/greedy-window/.
     draft_window: int | None | str = "auto"
     # Pin the draft/target step cost ratio c instead of measuring it online.
     draft_cost: float | None = None

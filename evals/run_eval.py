@@ -57,7 +57,8 @@ ABLATIONS = {
     # Verify forwards priced on the line through d and e only, not per width (`price_by_width`).
     "hf_linear_verify": dict(price_by_width=False),
     "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
-    # The draft encodes only the prompt's last 256 tokens (a cheaper draft prefill on long prompts).
+    # The draft encodes the prompt's last 256 tokens in greedy calls too (the default gives greedy 64,
+    # sampling 256: `SpeculativeConfig.draft_window`).
     "hf_window256": dict(draft_window=256),
     # Each source of trees alone: retrieval only (the draft priced out of every round), and the draft
     # model only (no retrieval, so chains: hf_no_ngram).

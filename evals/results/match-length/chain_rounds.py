@@ -16,53 +16,43 @@ import sys
 sys.path.insert(0, "evals")
 import torch  # noqa: E402
 from common import load_prompts  # noqa: E402
+from lookup_replay import prompt_lookup_chain  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 from hf_specdec.pair import TARGET, _local_folder  # noqa: E402
+from hf_specdec.proposals import ngram_match  # noqa: E402
+from hf_specdec.proposals.tree import match_length  # noqa: E402
 
 L = 10
 
 
-def pl(seq):
-    n = len(seq)
-    for k in (2, 1):
-        for i in range(n - k):
-            if seq[i : i + k] == seq[n - k :]:
-                return seq[i + k : i + k + L]
-    return []
+def occurrences(seq, k):
+    """Starts of the earlier occurrences of the last k tokens (ascending)."""
+    return [i for i in range(len(seq) - k) if seq[i : i + k] == seq[len(seq) - k :]]
 
 
-def recent(seq):
-    n = len(seq)
+def by_size(seq, pick):
+    """The continuation of the occurrence `pick(starts, k)` chooses, for the longest k of 3, 2, 1 that occurs."""
     for k in (3, 2, 1):
-        for i in range(n - k - 1, -1, -1):
-            if seq[i : i + k] == seq[n - k :]:
-                return seq[i + k : i + k + L]
+        starts = occurrences(seq, k)
+        if starts:
+            start = pick(starts, k)
+            return seq[start + k : start + k + L]
     return []
 
 
-def earliest3(seq):
-    n = len(seq)
-    for k in (3, 2, 1):
-        for i in range(n - k):
-            if seq[i : i + k] == seq[n - k :]:
-                return seq[i + k : i + k + L]
-    return []
+def library(seq, cap):
+    """hf_specdec's own chain lookup (`ngram_match`: 3 / 2 / 1 tokens; with `cap`, the longest match)."""
+    return ngram_match(torch.tensor(seq), 3, 1, L, match_cap=cap)[0].tolist()
 
 
-def _longest(seq, earliest_among_equals, cap=64):
-    n, best, nxt = len(seq), 0, None
-    for start in range(1, n):
-        length = 0
-        while length < cap and start - 1 - length >= 0 and seq[start - 1 - length] == seq[n - 1 - length]:
-            length += 1
-        if length and (length > best or (length == best and not earliest_among_equals)):
-            best, nxt = length, start
-    return seq[nxt : nxt + L] if best else []
-
-
-RULES = {"pl": pl, "recent": recent, "earliest3": earliest3,
-         "longest": lambda s: _longest(s, False), "longest_earliest": lambda s: _longest(s, True)}
+RULES = {
+    "pl": lambda s: prompt_lookup_chain(s, 2, L),  # transformers' prompt lookup (evals/lookup_replay.py)
+    "recent": lambda s: library(s, 0),
+    "earliest3": lambda s: by_size(s, lambda starts, k: starts[0]),
+    "longest": lambda s: by_size(s, lambda starts, k: max(starts, key=lambda i: (match_length(s, i, k, 64), i))),
+    "longest_earliest": lambda s: library(s, 64),
+}
 
 
 def main(path, categories):

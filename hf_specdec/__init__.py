@@ -11,8 +11,8 @@ from pathlib import Path
 
 from .config import SpeculativeConfig
 from .cpu import PackedLinear, pack_linears
-from .continuous import StreamResult, generate_continuous
-from .generate import SpeculativeDecoderOnlyOutput, speculative_generate
+from .continuous import StreamError, StreamResult, generate_continuous
+from .generate import SpeculativeDecoderOnlyOutput, StreamerNotForwardedError, speculative_generate
 from .policy import CostEstimates, DraftPolicy, PolicySettings, PolicyState
 from .proposals import (
     CandidateGeneratorDrafter,
@@ -56,7 +56,9 @@ __all__ = [
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",
+    "StreamError",
     "StreamResult",
+    "StreamerNotForwardedError",
     "early_exit_draft",
     "greedy_tree_verification",
     "generate_continuous",

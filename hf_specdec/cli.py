@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import logging
 import statistics
+import sys
 import time
 
 import torch
@@ -79,8 +80,6 @@ def _load_draft(args: argparse.Namespace, target, tokenizer, packed: bool):
         from .self_draft import early_exit_draft
 
         layers = args.draft.split(":", 1)[1]
-        if not layers.isdigit():
-            raise SystemExit(f"--draft self:L takes a number of the target's layers, got {args.draft!r}")
         draft = early_exit_draft(target, int(layers))
         if args.draft_bits != 16:
             print(f"the self draft is not quantized (its weights are the target's); --draft-bits {args.draft_bits} ignored")
@@ -161,16 +160,96 @@ def _explain_divergence(plain_out, sequences: torch.Tensor, prompt_len: int) -> 
         print(f"  {divergence.describe()}")
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="hf-specdec", description="Exact speculative decoding for transformers.")
+def _positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def _int_at_least(text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be at least {minimum}, got {value}")
+    return value
+
+
+def _threads(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
+def _temperature(text: str) -> float:
+    value = _float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0 (0 for greedy), got {value}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    value = _float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if value != value or value in (float("inf"), float("-inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _device(text: str) -> str:
+    try:
+        torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    return text
+
+
+def _model(kind: str):
+    """argparse type for --target / --draft: a registry name, an existing local model folder, a hub id
+    (owner/name, not a path on this machine), or for the draft self:L."""
+
+    def check(text: str) -> str:
+        from .pair import REGISTRY, check_local_model
+
+        if text in REGISTRY:
+            return text
+        if kind == "draft" and text.startswith("self:"):
+            layers = text.split(":", 1)[1]
+            if not layers.isdigit() or int(layers) < 1:
+                raise argparse.ArgumentTypeError(f"self:L takes a positive number of the target's layers, got {text!r}")
+            return text
+        try:
+            check_local_model(text)
+        except Exception as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+        return text
+
+    return check
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line (no usage block): `hf-specdec generate: error: ...`."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help for usage)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="hf-specdec", description="Exact speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
-    gen.add_argument("--target", default=TARGET.name, help="registry name, local folder or hub id")
-    gen.add_argument("--draft", default=DRAFT.name,
+    gen.add_argument("--target", default=TARGET.name, type=_model("target"), help="registry name, local folder or hub id")
+    gen.add_argument("--draft", default=DRAFT.name, type=_model("draft"),
                      help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit)")
-    gen.add_argument("--max-new-tokens", type=int, default=128)
-    gen.add_argument("--num-draft-tokens", type=int, default=None, help="most draft tokens per round (default 8)")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    gen.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="most draft tokens per round (default 8)")
     gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                      help="weight-only quantization of the draft (16: none); default int8")
     gen.add_argument("--pack", choices=("auto", "yes", "no"), default="auto",
@@ -181,16 +260,32 @@ def main(argv: list[str] | None = None) -> None:
                           "steps under --draft-bits 8 (the default), and plain decoding is "
                           "timed on both the packed target and the target as loaded")
     gen.add_argument("--fixed", action="store_true", help="fixed draft length, draft-model proposals only")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 for greedy (default)")
-    gen.add_argument("--top-p", type=float, default=0.95)
-    gen.add_argument("--repeats", type=int, default=1, help="interleaved timing pairs (median reported)")
-    gen.add_argument("--device", default=None)
-    gen.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 for greedy (default)")
+    gen.add_argument("--top-p", type=_top_p, default=0.95)
+    gen.add_argument("--repeats", type=_positive_int, default=1, help="interleaved timing pairs (median reported)")
+    gen.add_argument("--device", type=_device, default=None)
+    gen.add_argument("--threads", type=_threads, default=0, help="torch threads (0: torch's default)")
     gen.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
+    gen.add_argument("--debug", action="store_true", help="show the traceback of a failure")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)  # bad arguments: argparse's one-line error, exit 2
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("hf_specdec.pair").setLevel(logging.INFO)
-    generate_command(args)
+    try:
+        generate_command(args)
+    except KeyboardInterrupt:
+        print("hf-specdec: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as error:  # expected failures (missing files, bad pairs, no network): one line
+        if args.debug:
+            raise
+        lines = str(error).strip().splitlines() or [type(error).__name__]
+        more = " (--debug shows the rest)" if len(lines) > 1 else ""
+        print(f"hf-specdec: error: {type(error).__name__}: {lines[0]}{more}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

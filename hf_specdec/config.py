@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -125,41 +126,48 @@ class SpeculativeConfig:
         return 1 if trees else min(2, self.ngram_max_size)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.num_draft_tokens, int) or self.num_draft_tokens < 1:
-            raise ValueError(f"num_draft_tokens must be a positive integer, got {self.num_draft_tokens!r}")
-        if self.draft_temperature is not None and not self.draft_temperature > 0:
-            raise ValueError(f"draft_temperature must be > 0 (or None), got {self.draft_temperature!r}")
-        if self.ngram_min_size is not None and not 1 <= self.ngram_min_size <= self.ngram_max_size:
+        # Types first (a bool is not a number here, though Python says True == 1), then ranges.
+        for name in ("num_draft_tokens", "ngram_max_size", "ngram_max_tokens", "tree_max_branches", "tree_max_nodes"):
+            _check_int(name, getattr(self, name), minimum=1)
+        for name in ("ngram_depths", "ngram_match_cap"):
+            _check_int(name, getattr(self, name), minimum=0)
+        for name in ("ngram_min_size", "draft_vocab_size"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), minimum=1, none="or None")
+        for name in ("adaptive", "ngram", "price_by_width"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.tree is not None and not isinstance(self.tree, bool):
+            raise ValueError(f"tree must be True, False or None (trees for greedy decoding only), got {self.tree!r}")
+        if self.draft_temperature is not None:
+            _check_number("draft_temperature", self.draft_temperature, positive=True)
+        _check_number("prefill_patience", self.prefill_patience)
+        for name in ("draft_cost", "verify_cost", "verify_knee_cost", "draft_prefill_cost"):
+            if getattr(self, name) is not None:
+                _check_number(name, getattr(self, name))
+        if self.ngram_min_size is not None and self.ngram_min_size > self.ngram_max_size:
             raise ValueError(
                 f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}"
             )
-        if self.ngram_depths < 0:
-            raise ValueError(f"ngram_depths must be >= 0, got {self.ngram_depths!r}")
-        if not self.prefill_patience >= 0:
-            raise ValueError(f"prefill_patience must be >= 0, got {self.prefill_patience!r}")
-        if not isinstance(self.ngram_match_cap, int) or self.ngram_match_cap < 0:
-            raise ValueError(f"ngram_match_cap must be an integer >= 0, got {self.ngram_match_cap!r}")
-        if self.ngram_max_tokens < 1:
-            raise ValueError(f"ngram_max_tokens must be >= 1, got {self.ngram_max_tokens!r}")
-        if self.tree is not None and not isinstance(self.tree, bool):
-            raise ValueError(f"tree must be True, False or None (trees for greedy decoding only), got {self.tree!r}")
-        if self.tree_max_branches < 1 or self.tree_max_nodes < 1:
-            raise ValueError(
-                f"tree_max_branches and tree_max_nodes must be >= 1, got {self.tree_max_branches} and {self.tree_max_nodes}"
-            )
-        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
-            raise ValueError(f"draft_vocab_size must be a positive integer or None, got {self.draft_vocab_size!r}")
         window = self.draft_window
         if window is not None and window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"draft_window must be a positive integer, None or 'auto', got {window!r}")
-        for name in ("draft_cost", "verify_cost", "verify_knee_cost", "draft_prefill_cost"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:
-                raise ValueError(f"{name} must be >= 0 (or None), got {value!r}")
-        if not isinstance(self.price_by_width, bool):
-            raise ValueError(f"price_by_width must be True or False, got {self.price_by_width!r}")
         if self.verify_curve is not None:
             from .policy import check_verify_curve
 
             check_verify_curve(self.verify_curve)
             object.__setattr__(self, "verify_curve", tuple(float(v) for v in self.verify_curve))
+
+
+def _check_int(name: str, value, minimum: int, none: str = "") -> None:
+    """A ValueError naming `name` unless `value` is an int (not a bool) of at least `minimum`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        raise ValueError(f"{name} must be {kind}{' ' + none if none else ''}, got {value!r}")
+
+
+def _check_number(name: str, value, positive: bool = False) -> None:
+    """A ValueError naming `name` unless `value` is a finite real number, >= 0 (or > 0 if `positive`)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} (or None), got {value!r}")

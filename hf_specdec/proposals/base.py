@@ -152,6 +152,11 @@ class Drafter(ABC):
         if self.cache is not None and self.cache.get_seq_length() > 0:
             raise NotImplementedError(f"{type(self).__name__} keeps a cache but cannot add a row to it (continuous batching)")
 
+    def room(self, width: int) -> int | None:
+        """How many tokens this source can still propose per row for a work sequence `width` columns
+        wide (a draft model's context length bounds it); None: no bound."""
+        return None
+
     def prefill_tokens(self, width: int) -> int:
         """Tokens this source must encode before it can propose for a sequence of `width` tokens
         (a draft model's prompt, while its cache is empty); the cost model counts them. 0 once warm."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel, TemperatureLogitsWarper
@@ -24,6 +25,8 @@ from ..quantize import WeightOnlyLinear
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
+
+logger = logging.getLogger(__name__)
 
 # Warpers that must see the temperature-scaled scores (transformers applies temperature first).
 _AFTER_TEMPERATURE = (
@@ -81,6 +84,15 @@ class VocabularySubsetHead:
         return full.index_copy_(-1, self.token_ids, logits)
 
 
+def context_length(config) -> int | None:
+    """The most positions a model reads (`max_position_embeddings`, GPT-2's `n_positions`), or None."""
+    for name in ("max_position_embeddings", "n_positions"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
 class DraftModelDrafter(Drafter):
     """Draft tokens one draft forward each, from q = softmax(processors(prefix, draft logits)): the
     same `RowProcessors` path as the target's p, with each row's real prefix plus its drafts so far.
@@ -93,6 +105,11 @@ class DraftModelDrafter(Drafter):
     prompt) and everything after them, so a long prompt's draft prefill costs `window` tokens. Its
     cache still has the sequence's length (zero columns in front, masked out in every forward).
     Exact like any draft: q is whatever the draft computed. Single-row batches only.
+
+    The draft's context length (`context_length`, from its config) bounds what it reads: `room`
+    says how many tokens it can still draft, the window is shrunk to fit in it, and a row joining
+    wider than the context retires the draft for the rest of the call (its cache becomes None; the
+    loop then takes lookups or plain steps). Nothing is fed past the draft's last position.
     """
 
     source = DRAFT
@@ -114,6 +131,9 @@ class DraftModelDrafter(Drafter):
         self.head = None if vocabulary is None else VocabularySubsetHead(model.get_output_embeddings(), vocabulary, self.vocab)
         if window is not None and window < 1:
             raise ValueError(f"the draft window must be a positive number of tokens, got {window}")
+        self.max_positions = context_length(model.config)
+        if window is not None and self.max_positions is not None:
+            window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
         self.window = window
         self.start(1)
 
@@ -127,11 +147,24 @@ class DraftModelDrafter(Drafter):
     def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         if self.window is not None:
             raise ValueError("a draft window works on one row at a time; continuous batching adds rows")
-        add_row(self.model, self.cache, ids, mask)
+        if self.cache is not None and self.max_positions is not None and ids.shape[1] > self.max_positions:
+            logger.warning("the batch is %d columns wide, past the draft's context of %d positions: the draft "
+                           "model is not used for the rest of this call", ids.shape[1], self.max_positions)
+            self.cache = None
+        if self.cache is not None:
+            add_row(self.model, self.cache, ids, mask)
         self.processors.add_row()
 
+    def room(self, width: int) -> int | None:
+        if self.cache is None:  # retired: a row wider than the draft's context joined
+            return 0
+        if self.max_positions is None:
+            return None
+        seen = width - self.hidden if self.cache.get_seq_length() else self.prefill_tokens(width)
+        return max(0, self.max_positions - seen)
+
     def prefill_tokens(self, width: int) -> int:
-        if self.cache.get_seq_length():
+        if self.cache is None or self.cache.get_seq_length():
             return 0
         return width if self.window is None else min(width, self.window)
 
@@ -151,6 +184,8 @@ class DraftModelDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
+        if self.cache is None:  # retired (see the class doc)
+            return Proposal.nothing(ids.shape[0], ids.device)
         tokens, probs, confidences, runners_up = [], [], [], []
         cached = self.cache.get_seq_length()
         # A warm draft that lacks more than the usual one or two columns (the extra token, and the last
@@ -204,10 +239,11 @@ class DraftModelDrafter(Drafter):
         if not want_confidence:
             return token, q, None, None
         probs = q if q is not None else logits_to_probs(scores)
-        q_token = probs.gather(-1, token[:, None])[:, 0]  # [rows]
+        # [rows]; scores that are all NaN (a user's processor) give NaN: no confidence at all
+        q_token = probs.gather(-1, token[:, None])[:, 0].nan_to_num(0.0)
         if self.do_sample:
             return token, q, q_token.tolist(), None
-        second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
+        second = probs.nan_to_num(0.0).scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
         return token, q, q_token.tolist(), list(zip(second.indices.tolist(), second.values.tolist()))
 
 

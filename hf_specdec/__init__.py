@@ -9,6 +9,17 @@
 
 from pathlib import Path
 
+import transformers as _transformers
+
+# Every forward passes the cache as `cache=` and reads outputs' `.cache`: transformers 5.23 and later.
+# An older one ignores the keyword and every call would fail deep inside; say so here instead.
+_found = tuple(int(part) for part in _transformers.__version__.split(".")[:2] if part.isdigit())
+if _found < (5, 23):
+    raise ImportError(
+        f"hf_specdec needs transformers >= 5.23 (it passes the KV cache as `cache=`); found {_transformers.__version__}. "
+        "pip install 'transformers>=5.23,<6' (evals/gpu_run.sh installs a carried wheel where nothing can be fetched)."
+    )
+
 from .config import SpeculativeConfig
 from .cpu import PackedLinear, pack_linears
 from .continuous import StreamError, StreamResult, generate_continuous

@@ -20,7 +20,7 @@ prompt. Exact per prompt: every row is verified by the same rule as in a static 
 rows equal plain greedy on that prompt alone, sampled rows have the target's law for that prompt.
 
 Faults stay with their request: a prompt that cannot be served (token ids outside the vocabulary, a
-shape that is not one sequence, a bad budget) or whose row makes a stopping criterion raise gets a
+shape that is not one sequence, a bad budget, no room left in the target's positions) or whose row makes a stopping criterion raise gets a
 `StreamResult` whose `error` holds the exception (tokens generated before it, if any), and every other
 prompt completes. If the prompt source or `on_result` raises, no prompt joins after that, the rows
 already running finish, and a `StreamError` is raised from the original exception, carrying every
@@ -34,6 +34,7 @@ Not for: sliding-window or linear-attention models (rows join by gathering cache
 
 from __future__ import annotations
 
+import numbers
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
@@ -125,8 +126,9 @@ class Requests:
                 raise ValueError(f"prompt {self.admitted} is a mapping without 'input_ids'")
             if item.get("max_new_tokens") is not None:
                 budget = item["max_new_tokens"]
-                if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
                     raise ValueError(f"prompt {self.admitted}: max_new_tokens must be a positive integer, got {budget!r}")
+                budget = int(budget)
             item = item["input_ids"]
         if isinstance(item, (str, bytes)):
             raise ValueError(f"prompt {self.admitted} is text; pass token ids (tokenize it first)")
@@ -143,6 +145,9 @@ class Requests:
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise ValueError(f"prompt {self.admitted} must hold integer token ids, got {prompt.dtype}")
         prompt = prompt.long()
+        if self.max_positions is not None and prompt.numel() >= self.max_positions:
+            raise ValueError(f"prompt {self.admitted} has {prompt.numel()} tokens: no room left in the target's "
+                             f"{self.max_positions} positions")
         low, high = int(prompt.min()), int(prompt.max())
         if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
             bad = low if low < 0 else high
@@ -277,7 +282,8 @@ def generate_continuous(
     `temperature`, `generator`, `acceptance_sink`, `draft_cost`, ...). Returns one `StreamResult` per
     prompt in the order given (a failed one with its `error`); `on_result` receives each as soon as
     its row finishes. Raises `StreamError` (with the complete results) if the stream stopped early."""
-    from .generate import speculative_generate
+    from .generate import check_arguments, speculative_generate
+    from .proposals.draft_model import context_length
 
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
@@ -289,12 +295,13 @@ def generate_continuous(
         raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
     if "streamer" in generate_kwargs or "spec_streamer" in generate_kwargs:
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
+    check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read
     given = generate_kwargs.get("generation_config")
     default_length = (generate_kwargs.get("max_length") is None and (given is None or given.max_length is None)
                       and model.generation_config.max_length is None)
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0], default_length=default_length,
-                        max_positions=getattr(model.config, "max_position_embeddings", None))
+                        max_positions=context_length(model.config))
     try:
         first = requests.first()
         if first is not None:

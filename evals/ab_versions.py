@@ -30,8 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import CATEGORIES, MODES, drafts_by_precision, geometric_mean, import_baseline, load_pair, load_prompts  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
+from common import (  # noqa: E402
+    CATEGORIES, MODES, add_options, drafts_by_precision, geometric_mean, import_baseline, load_pair, load_prompts,
+)
 
 PRESETS = {"quick": (1, 64), "standard": (3, 64)}  # prompts per category, new tokens
 
@@ -107,9 +108,5 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--baseline", default="HEAD", help="git revision of the old code")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    parser.add_argument("--target", default=TARGET.name)
-    parser.add_argument("--draft", default=DRAFT.name)
-    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--out", default="runs/ab")
+    add_options(parser, "target", "draft", "draft_bits", threads=2, out="runs/ab")
     run(parser.parse_args())

@@ -36,9 +36,9 @@ sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, ForwardTimer, load_pair, load_prompts, median_or_none, pooled_stats, speedup_over_plain, step_time,
+    CATEGORIES, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, median_or_none, pooled_stats,
+    speedup_over_plain, step_time,
 )
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 
 KS = tuple(range(1, 9))
@@ -286,14 +286,12 @@ def plot(summary, out: Path) -> None:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name)
-    parser.add_argument("--draft", default=DRAFT.name)
+    add_options(parser, "target", "draft")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--parts", nargs="+", default=["law", "temperature", "quant"], choices=["law", "temperature", "quant"])
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES))
     parser.add_argument("--max-new-tokens", type=int, default=None)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", default="runs/analyses")
+    add_options(parser, "threads", out="runs/analyses")
     parser.add_argument("--from-records", default=None, help="rebuild report and plots from a records.jsonl")
     args = parser.parse_args(argv)
     out = Path(args.out)
@@ -304,8 +302,7 @@ def main(argv=None):
         records = [json.loads(line) for line in Path(args.from_records).read_text().splitlines()]
         config = dict(preset=args.preset, prompts=len({r["id"] for r in records}), max_new_tokens=max_new_tokens)
     else:
-        if args.threads:
-            torch.set_num_threads(args.threads)
+        apply_threads(args.threads)
         from hf_specdec.quantize import quantize_weights
 
         target, draft, tokenizer = load_pair(args.target, args.draft, "cpu" if not torch.cuda.is_available() else "cuda", None)

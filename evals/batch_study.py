@@ -32,8 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
-from common import PACK_HELP, hf_draft, load_pair, load_prompts, speedup_over_plain  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
+from common import add_options, apply_threads, hf_draft, load_pair, load_prompts, speedup_over_plain  # noqa: E402
 
 BATCH_CATEGORIES = ("mt_bench", "translation", "qa", "math_reasoning", "humaneval")  # short prompts
 
@@ -284,8 +283,7 @@ def plot_throughput(rows, path: Path) -> None:
 
 
 def run_batch_study(args: argparse.Namespace) -> list[dict]:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
     draft = hf_draft(draft, args.draft_bits)
@@ -321,8 +319,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
-    parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
+    add_options(parser, "target", "draft")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16], metavar="N")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
     parser.add_argument("--prompts-per-size", type=int, default=16,
@@ -330,16 +327,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "16 gives batch 8 two batches, whose spread shows the cell's noise")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
-    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
-    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
-                        help="weight-only quantization of hf_specdec's draft (16: none)")
+    add_options(parser, "pack", "draft_bits")
     parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
                         help="hf_specdec's reduced-vocabulary draft head: token ids below N, the prompts' and EOS (default: all)")
     parser.add_argument("--variant", nargs="+", default=None, metavar="KEY=VALUE", type=_setting,
                         help="also run hf_specdec with these keyword arguments changed, right after it on every batch "
                              "(an A/B of one lever in the same run), e.g. --variant draft_vocab_size=32768")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--out", default="runs/batch")
+    add_options(parser, "threads", out="runs/batch")
     parser.add_argument("--categories", nargs="+", default=list(BATCH_CATEGORIES), choices=BATCH_CATEGORIES, metavar="CATEGORY")
     args = parser.parse_args(argv)
     args.variant = dict(args.variant) if args.variant else None

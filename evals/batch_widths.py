@@ -30,10 +30,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from hf_specdec.cache import new_cache, rollback  # noqa: E402
 from hf_specdec.cpu import pack_linears  # noqa: E402
-from hf_specdec.pair import TARGET, load_model  # noqa: E402
+from hf_specdec.pair import load_model  # noqa: E402
 from hf_specdec.proposals.draft_model import VocabularySubsetHead  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
-from common import PACK_HELP, hf_draft, pack_draft  # noqa: E402
+from common import add_options, apply_threads, hf_draft, pack_draft  # noqa: E402
 
 
 @torch.no_grad()
@@ -53,7 +53,7 @@ def forward_seconds(model, batch: int, width: int, context: int, reps: int, gen:
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", default=TARGET.name)
+    add_options(parser, "target")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 5, 9, 17, 25])
     parser.add_argument("--context", type=int, default=256)
@@ -62,14 +62,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
                         help="weight-only quantization of the draft (with --pack: 8 gives the packed draft int8 copies for its steps)")
     parser.add_argument("--acceptance", type=float, default=0.75, help="per-token acceptance for the best-speedup line")
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
+    add_options(parser, "threads", "pack")
     parser.add_argument("--draft-vocab-size", type=int, default=None,
                         help="time the draft with its output layer restricted to ids below this (draft_vocab_size's head)")
-    parser.add_argument("--out", default="runs/batch-widths")
+    add_options(parser, out="runs/batch-widths")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     model, _ = load_model(args.target)
     model.eval()
     if args.pack:

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-from hf_specdec.pair import check_same_vocabulary, load_model
+from hf_specdec.pair import DRAFT, TARGET, check_same_vocabulary, load_model
 
 HERE = Path(__file__).resolve().parent
 SPEC_BENCH = HERE / "data" / "spec_bench" / "question.jsonl"
@@ -121,6 +121,42 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
 PACK_HELP = ("both models in float32 with oneDNN-packed linears (hf_specdec.pack_linears) for every method: on CPUs "
              "without bf16 instructions a bf16 forward over k tokens costs nearly k steps (hf_specdec's draft then "
              "keeps int8 copies for its one-token steps with --draft-bits 8, none with 4 or 16)")
+
+
+# ---------------------------------------------------------------- the options the scripts share
+
+REQUIRED = object()  # add_options(parser, out=REQUIRED): the option must be given
+OPTIONS = {  # each shared option, defined once: (flag, argparse settings)
+    "target": ("--target", dict(default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")),
+    "draft": ("--draft", dict(default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")),
+    "draft_bits": ("--draft-bits", dict(type=int, choices=(4, 8, 16), default=8,
+                                        help="weight-only quantization of hf_specdec's draft (16: none; default int8)")),
+    "pack": ("--pack", dict(action="store_true", help=PACK_HELP)),
+    "threads": ("--threads", dict(type=int, default=0, help="torch threads (0: torch's default)")),
+    "out": ("--out", dict(default=None, help="the folder the outputs are written to")),
+    "cost_table": ("--cost-table", dict(default=None, help="a cost_table.json: prices the work and pins hf_specdec's costs")),
+}
+
+
+def add_options(parser, *names: str, **defaults) -> None:
+    """Adds the named shared options (`OPTIONS`) to `parser`; a keyword gives one of them another
+    default (`out="runs/x"`), or makes it required (`out=REQUIRED`)."""
+    for name in (*names, *(n for n in defaults if n not in names)):
+        flag, settings = OPTIONS[name]
+        settings = dict(settings)
+        if name in defaults:
+            if defaults[name] is REQUIRED:
+                settings.pop("default", None)
+                settings["required"] = True
+            else:
+                settings["default"] = defaults[name]
+        parser.add_argument(flag, **settings)
+
+
+def apply_threads(threads: int) -> None:
+    """`--threads`: torch's thread count, when given (0 keeps torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
 
 
 def pack_draft(draft, draft_bits: int = 8, keep_head_rows: bool = True):

@@ -32,6 +32,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 import hf_specdec  # noqa: E402
+sys.path.insert(0, str(HERE))
+from common import REQUIRED, add_options  # noqa: E402
 from conftest import ARCHITECTURES, chi_square_against, perturbed, tiny_model  # noqa: E402
 from hf_specdec.proposals import DraftModelDrafter  # noqa: E402
 
@@ -233,7 +235,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", required=True)
+    add_options(parser, out=REQUIRED)
     parser.add_argument("--dry-run", action="store_true", help="CPU, few tokens and samples: checks the script runs")
     args = parser.parse_args(argv)
     device, new_tokens, samples, batch = args.device, 48, 6000, 1000

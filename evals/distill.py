@@ -26,28 +26,24 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import CATEGORIES, load_pair, load_prompts  # noqa: E402
+from common import CATEGORIES, add_options, apply_threads, load_pair, load_prompts  # noqa: E402
 from hf_specdec.distill import DIVERGENCES, DistillConfig, Distiller  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 from self_spec import acceptance, summarise, teacher_texts  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name)
-    parser.add_argument("--draft", default=DRAFT.name)
-    parser.add_argument("--records", default=str(HERE / "results" / "levers-report" / "records.jsonl"))
+    add_options(parser, "target", "draft")
+    parser.add_argument("--records", default=str(HERE / "results" / "standard" / "records.jsonl"))
     parser.add_argument("--divergence", choices=DIVERGENCES, default="tv")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--train-layers", nargs="+", type=int, default=None, help="decoder layer indices (default: the last two)")
     parser.add_argument("--checkpoint-every", type=int, default=10)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", default="runs/distill")
+    add_options(parser, "threads", out="runs/distill")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     out = Path(args.out)
     target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")
     original = copy.deepcopy(draft)

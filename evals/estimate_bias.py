@@ -30,7 +30,7 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from common import drafts_by_precision, load_pair, load_prompts  # noqa: E402
+from common import add_options, apply_threads, drafts_by_precision, load_pair, load_prompts  # noqa: E402
 
 import hf_specdec  # noqa: E402
 from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
@@ -74,10 +74,10 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-cost", type=float, default=0.24, help="pinned c (the int8 draft's on the real pair)")
     parser.add_argument("--verify-cost", type=float, default=0.03, help="pinned d")
-    parser.add_argument("--threads", type=int, default=2)
+    add_options(parser, threads=2)
     parser.add_argument("--out", type=Path, help="write the table here (JSON)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     target, draft, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")
     draft = drafts_by_precision(draft, 8)["hf"]
     records: list[hf_specdec.RoundRecord] = []

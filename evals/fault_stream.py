@@ -65,4 +65,10 @@ def main(count: int = 1000, bad_share: float = 0.05, new_tokens: int = 4) -> Non
 
 
 if __name__ == "__main__":
-    main(*(float(a) if "." in a else int(a) for a in sys.argv[1:]))
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("count", nargs="?", type=int, default=1000, help="prompts in the stream")
+    parser.add_argument("bad_share", nargs="?", type=float, default=0.05, help="share of bad requests")
+    args = parser.parse_args()
+    main(args.count, args.bad_share)

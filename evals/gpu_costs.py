@@ -33,6 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from common import REQUIRED, add_options  # noqa: E402
 from costs import CostTable, measure  # noqa: E402
 
 CONFIGS = HERE / "configs"
@@ -138,7 +139,7 @@ def handwritten_table(step: float = 0.015, draft_ratio: float = 0.6) -> CostTabl
 def main(argv=None) -> CostTable:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--out", required=True)
+    add_options(parser, out=REQUIRED)
     parser.add_argument("--reps", type=int, default=5, help="passes over the grid; each cell is their median")
     parser.add_argument("--dry-run", action="store_true", help="CPU, two layers, a small grid: checks the script runs")
     parser.add_argument("--check", action="store_true",

@@ -2,7 +2,7 @@
 
     python evals/greedy_divergence.py --prompt-id 81 [--dtype bfloat16|float32]
     python evals/greedy_divergence.py --batch-size 8        # the batch study's prompts, per row
-    python evals/greedy_divergence.py --records evals/results/quick-v3/records.jsonl   # an eval's mismatches
+    python evals/greedy_divergence.py --records evals/results/standard/records.jsonl   # an eval's mismatches
 
 Runs plain greedy, transformers' assisted generation and hf_specdec on one eval prompt and, for each
 method whose output differs, prints the first differing position with the top-two logit margin of

@@ -23,12 +23,12 @@ Strategies:
                  draft priced out, as the eval's hf_retrieval_only), costs pinned from the table:
                  minimum match 2 or 1 token, 4 or 8 branches, with and without the verify knee.
 
-    python evals/lookup_replay.py --records evals/results/prefill-standard/records.jsonl \
+    python evals/lookup_replay.py --records evals/results/standard/records.jsonl \
         --cost-table evals/results/standard/cost_table.json --categories summarization rag
 
 Modelled speedups over plain (the record's own plain modelled seconds), per prompt and the category
 medians; `recorded` lists the run's own modelled speedups for comparison (the replay of prompt lookup
-and of hf_retrieval_only reproduces them within a few percent: evals/results/lookup-replay/).
+and of hf_retrieval_only reproduces them within a few percent: run lookup-replay, docs/evaluation.md#older-runs).
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from common import REQUIRED, add_options  # noqa: E402
 from costs import CostTable  # noqa: E402
 
 from hf_specdec.policy import DraftPolicy, PolicySettings  # noqa: E402
@@ -162,11 +163,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--records", type=Path, required=True, help="a run's records.jsonl (plain outputs)")
     parser.add_argument("--mode", choices=["greedy", "sampling"], default="greedy",
                         help="replay against the plain greedy or the plain sampled outputs (see above)")
-    parser.add_argument("--cost-table", type=Path, required=True)
+    add_options(parser, cost_table=REQUIRED)
     parser.add_argument("--categories", nargs="+", default=["summarization", "rag"])
     parser.add_argument("--out", type=Path, help="write the per-prompt and per-category figures here (JSON)")
     args = parser.parse_args(argv)
-    table = CostTable.load(args.cost_table)
+    table = CostTable.load(Path(args.cost_table))
     cases = load_cases(args.records, args.categories, args.mode)
     strategies = {  # retrieval_<minimum match>_<branches>: 2gram_4 were the defaults before 1gram_8
         "prompt_lookup": lambda d, e: (prompt_lookup(), "transformers"),

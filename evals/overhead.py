@@ -56,7 +56,7 @@ sys.path.insert(0, str(HERE.parent))  # run from a checkout without installing
 sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts
 
 import hf_specdec  # noqa: E402
-from common import MODES, ForwardTimer  # noqa: E402
+from common import MODES, ForwardTimer, add_options  # noqa: E402
 from tiny import perturbed  # noqa: E402
 
 LIBRARIES = {"hf_specdec": hf_specdec}  # plus "baseline" (hf_specdec at --baseline REV) when asked for
@@ -389,10 +389,10 @@ parser.add_argument("--max-new-tokens", type=int, default=200)
 parser.add_argument("--repeats", type=int, default=3)
 parser.add_argument("--prompt-tokens", type=int, default=64)
 parser.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
-parser.add_argument("--out", default="runs/overhead")
+add_options(parser, out="runs/overhead")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
-parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+add_options(parser, "threads")
 parser.add_argument("--hidden", type=int, default=64)
 parser.add_argument("--layers", type=int, default=2)
 parser.add_argument("--noise", type=float, default=0.01, help="draft = target + noise x weight std")

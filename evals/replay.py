@@ -38,7 +38,9 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import MODES, ForwardTimer, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import (  # noqa: E402
+    MODES, REQUIRED, ForwardTimer, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain,
+)
 from costs import CostTable  # noqa: E402
 
 RECORDED = ("plain", "assisted", "prompt_lookup")  # repriced from the records
@@ -122,18 +124,17 @@ def summarize(records: list[dict], replayed: list[dict], table: CostTable) -> tu
 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cost-table", required=True, help="the table every method is priced with, and hf_specdec's pins")
+    add_options(parser, cost_table=REQUIRED)
     parser.add_argument("--records", default=str(HERE / "results" / "standard" / "records.jsonl"),
                         help="a standard-preset run's records: its prompts, and the work of plain and transformers' methods")
-    parser.add_argument("--out", required=True)
+    add_options(parser, out=REQUIRED)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a mode (a quick look)")
     parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
-    parser.add_argument("--threads", type=int, default=0)
+    add_options(parser, "threads")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:
         table.alias("hf", "bf16")

@@ -1,7 +1,7 @@
 """Price the records of several eval runs with one cost table, so that their modelled figures can
 be compared (each run otherwise prices its work with the table it measured itself).
 
-    python evals/reprice.py evals/results/standard/records.jsonl evals/results/standard-2/records.jsonl \
+    python evals/reprice.py evals/results/standard/records.jsonl evals/results/standard-packed/records.jsonl \
         --cost-table evals/results/standard/cost_table.json
 
 Prints, per mode and method, the geometric mean over categories of the median modelled speedup (as
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import geometric_mean, speedup_over_plain  # noqa: E402
+from common import REQUIRED, add_options, geometric_mean, speedup_over_plain  # noqa: E402
 from costs import CostTable  # noqa: E402
 from run_eval import _engine  # noqa: E402
 
@@ -43,7 +43,7 @@ def modelled_geomeans(records: list[dict], table: CostTable) -> dict[tuple[str, 
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", nargs="+", help="records.jsonl files of eval runs")
-    parser.add_argument("--cost-table", required=True, help="the one cost table to price every run with")
+    add_options(parser, cost_table=REQUIRED)  # the one table every run is priced with
     args = parser.parse_args(argv)
     table = CostTable.load(Path(args.cost_table))
     runs = [modelled_geomeans([json.loads(line) for line in open(path)], table) for path in args.records]

@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, PACK_HELP,
+    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, add_options,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts,
 )
 from costs import CostTable, measure  # noqa: E402
@@ -690,31 +690,27 @@ def replot(records_path: Path, out: Path) -> dict:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
-    parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
+    add_options(parser, "target", "draft")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
     parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), metavar="CATEGORY")
     parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
-    parser.add_argument("--out", default="runs/eval")
+    add_options(parser, out="runs/eval")
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--second-draft", default=None,
                         help="another draft (folder or registry name) for the method hf_second_draft, e.g. a distilled one")
-    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
-                        help="weight-only quantization of hf_specdec's draft (16: none); assisted uses the draft as loaded")
+    add_options(parser, "draft_bits")  # assisted uses the draft as loaded
     parser.add_argument("--ablation", action="store_true", help=f"also run hf_specdec with levers off: {', '.join(ABLATIONS)}")
     parser.add_argument("--prompts-per-category", type=int, default=None, help="override the preset")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
-    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
+    add_options(parser, "pack")
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
-    parser.add_argument("--threads", type=int, default=0, help="torch threads per process (0: torch's default)")
+    add_options(parser, "threads")  # per process
     parser.add_argument("--from-records", default=None,
                         help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl)")
     parser.add_argument("--split", choices=SPLITS, default="report",
                         help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")
-    parser.add_argument("--cost-table", default=None,
-                        help="price work with this saved cost table (a run's cost_table.json) instead of measuring one: "
-                             "hf_specdec's decisions then repeat exactly")
+    add_options(parser, "cost_table")  # instead of measuring one: hf_specdec's decisions then repeat exactly
     return parser.parse_args(argv)
 
 

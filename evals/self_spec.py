@@ -42,10 +42,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import CATEGORIES, drafts_by_precision, load_pair, load_prompts  # noqa: E402
+from common import CATEGORIES, add_options, apply_threads, drafts_by_precision, load_pair, load_prompts  # noqa: E402
 from costs import CostTable  # noqa: E402
 from hf_specdec.cache import extend, new_cache, rollback  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
 from hf_specdec.self_draft import decoder_layers  # noqa: E402
 
 SAMPLING = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopPLogitsWarper(0.95)])
@@ -244,19 +243,16 @@ def report(summary: dict, measured: list[dict], config: dict) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name)
-    parser.add_argument("--draft", default=DRAFT.name)
-    parser.add_argument("--records", default=str(HERE / "results" / "levers-report" / "records.jsonl"),
+    add_options(parser, "target", "draft")
+    parser.add_argument("--records", default=str(HERE / "results" / "standard" / "records.jsonl"),
                         help="a run's records.jsonl: its plain greedy outputs are the teacher-forced texts")
-    parser.add_argument("--cost-table", default=str(HERE / "results" / "standard" / "cost_table.json"))
+    add_options(parser, cost_table=str(HERE / "results" / "standard" / "cost_table.json"))
     parser.add_argument("--layers", nargs="+", type=int, default=[8, 12, 16, 20, 24])
     parser.add_argument("--measure-prompts", type=int, default=1, help="prompts per category for the measured runs (0: none)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=0)
-    parser.add_argument("--out", default="runs/self-spec")
+    add_options(parser, "threads", out="runs/self-spec")
     args = parser.parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")

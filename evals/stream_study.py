@@ -40,8 +40,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from batch_study import BATCH_CATEGORIES, batch_prompts, divergences, left_pad, length_distribution  # noqa: E402
-from common import PACK_HELP, hf_draft, load_pair  # noqa: E402
-from hf_specdec.pair import DRAFT, TARGET  # noqa: E402
+from common import add_options, apply_threads, hf_draft, load_pair  # noqa: E402
 
 
 def useful(tokens: list[int], budget: int, eos_id) -> list[int]:
@@ -138,8 +137,7 @@ def plot(rows, path: Path) -> None:
 
 
 def main(args: argparse.Namespace) -> None:
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     target, draft, tokenizer = load_pair(args.target, args.draft, device, pack=args.pack, draft_bits=args.draft_bits)
     draft = hf_draft(draft, args.draft_bits)
@@ -215,21 +213,18 @@ def main(args: argparse.Namespace) -> None:
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--target", default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")
-    parser.add_argument("--draft", default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")
+    add_options(parser, "target", "draft")
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--max-batch-size", type=int, default=8)
     parser.add_argument("--min-new-tokens", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--seed", type=int, default=0, help="seed of the budgets")
-    parser.add_argument("--pack", action="store_true", help=PACK_HELP)
-    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8)
-    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    add_options(parser, "pack", "draft_bits", "threads")
     parser.add_argument("--skip-static-spec", action="store_true", help="leave out hf_specdec on static batches")
     parser.add_argument("--skip-no-speculation", action="store_true", help="leave out continuous batching without speculation")
     parser.add_argument("--skip-transformers", action="store_true", help="leave out transformers' continuous batching")
     parser.add_argument("--transformers-limit", type=float, default=900, help="seconds before transformers' run is given up")
-    parser.add_argument("--out", default="runs/stream")
+    add_options(parser, out="runs/stream")
     parser.add_argument("--categories", nargs="+", default=list(BATCH_CATEGORIES), choices=BATCH_CATEGORIES, metavar="CATEGORY")
     return parser.parse_args(argv)
 

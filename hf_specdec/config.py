@@ -31,7 +31,7 @@ class SpeculativeConfig:
     ngram_max_size: int = 3
     # The shortest match proposed. None: 1 in tree rounds (single rows), where every round also scores
     # the lookups it did not verify, so a weak 1-gram is dropped within a few rounds; 2 in chains and
-    # batches, where 1-grams were measured worse on 4 of 7 categories (evals/results/onegram/). An
+    # batches, where 1-grams were measured worse on 4 of 7 categories (run onegram, docs/evaluation.md#older-runs). An
     # explicit value is used everywhere.
     ngram_min_size: int | None = None
     ngram_max_tokens: int = 32
@@ -42,14 +42,14 @@ class SpeculativeConfig:
     # earliest first. Greedy outputs of the real pair (standard preset, every position whose suffix
     # occurred before): the longest match's continuation was the next token 0.63 of the time after a
     # 3-token match, 0.89 / 0.86 / 0.97 after 4-7 / 8-15 / 16+ (summarization); 0.56 after 2 and 1.0
-    # after every longer one (HumanEval; evals/results/match-length/). 0 (or at most ngram_max_size):
+    # after every longer one (HumanEval; run match-length, docs/evaluation.md#older-runs). 0 (or at most ngram_max_size):
     # sizes are n-gram sizes, the most recent occurrence first.
     ngram_match_cap: int = 32
     # With ngram_depths > 0 the cost model learns a lookup's acceptance per match size for its first
     # token and per depth for tokens 2 .. ngram_depths (the last shared by deeper ones): a copy that
     # has started tends to go on (real pair, summarization at T = 0.7: 0.48 at the first token, 0.55
     # / 0.83 / 0.6-0.9 at 2 / 3 / 4-8). 0 (default): one acceptance per match size for every token.
-    # Off because it did not pay on the tuning split (evals/results/tuning-levers/depths/): greedy
+    # Off because it did not pay on the tuning split (run tuning-levers, docs/evaluation.md#older-runs): greedy
     # modelled time 1% lower, and under sampling retrieval trees won more rounds and kept the draft
     # model out longer (summarization 11% slower modelled).
     ngram_depths: int = 0
@@ -59,17 +59,17 @@ class SpeculativeConfig:
     # a single row does not wait in a round where retrieval has no node worth verifying and the prefill
     # is small (`PolicySettings.small_prefill_share`: a short prompt). 0: no wait. In batches it took
     # the batch-2 and -4 study from 1.08x / 1.05x to 1.10x / 1.10x plain batched
-    # (evals/results/batch-study/packed-avx2-ski-ab/, one run).
+    # (run batch-study, docs/evaluation.md#older-runs, one run).
     prefill_patience: float = 1.0
     # Trees of candidates (one row): every distinct retrieved continuation (up to tree_max_branches)
     # and the draft model's chain, merged into one trie and verified in one target forward with a tree
     # attention mask; the cost model keeps the nodes that pay, at most tree_max_nodes. False: one
     # chain per round from one source. None (default): trees for greedy decoding, chains when
     # sampling. Measured on the real pair (standard preset, T = 0.7, top-p 0.95, packed, one run,
-    # evals/results/sampling-trees-vs-chains/): chains 1.17x [1.07, 1.31] the speed of trees, paired
+    # run sampling-trees-vs-chains, docs/evaluation.md#older-runs): chains 1.17x [1.07, 1.31] the speed of trees, paired
     # over 35 prompts (1.16x modelled), ahead in 6 of 7 categories; a second run 1.06x [0.97, 1.18]
-    # (1.09x modelled, evals/results/sampling-default/); in greedy decoding trees are level by
-    # wall and 4% ahead modelled (evals/results/greedy-probe-fix/). True: trees when sampling too.
+    # (1.09x modelled, run sampling-default, docs/evaluation.md#older-runs); in greedy decoding trees are level by
+    # wall and 4% ahead modelled (run greedy-probe-fix, docs/evaluation.md#older-runs). True: trees when sampling too.
     tree: bool | None = None
     tree_max_branches: int = 8
     tree_max_nodes: int = 24
@@ -81,10 +81,10 @@ class SpeculativeConfig:
     # after it): a long prompt's draft prefill then costs `draft_window` tokens, at some cost in
     # acceptance where the draft needed the rest (on the real pair's 380-1300-token summarization and
     # RAG prompts, 256 beat the whole prompt in wall clock in all four greedy/sampling cells, modelled
-    # in three: evals/results/draft-prefill). Single-row calls only; a batch's draft reads the whole prompt.
+    # in three: run draft-prefill, docs/evaluation.md#older-runs). Single-row calls only; a batch's draft reads the whole prompt.
     # None: the whole prompt. Exact either way (q is whatever the draft computed). "auto" (default): 64
     # tokens in greedy calls, 256 when sampling. Greedy replays of the standard preset's 35 prompts
-    # (evals/results/prefill-priced/): 64 against 256, summarization 1.021 against 0.960 and RAG 1.162
+    # (run prefill-priced, docs/evaluation.md#older-runs): 64 against 256, summarization 1.021 against 0.960 and RAG 1.162
     # against 1.121 over the faster transformers method (modelled, geometric means), translation 0.985x,
     # math 1.031x; a greedy round needs the draft's argmax, which reads less context than its whole
     # distribution. In seeded sampling replays 64 lost RAG (3 of 5 prompts slower, 0.995x plain against

@@ -33,7 +33,7 @@ is whatever it computes, and verification uses the q of the forward that drafted
 CLI (`--pack`, with the default `--draft-bits 8`) and the eval scripts (`--pack`) pack both models,
 the draft so. In an eval's cost table the draft's step fell from 0.35-0.45 of a target step to
 0.25-0.32, and greedy hf_specdec ran 1.09x faster on the prompts that draft with the model
-(`evals/results/int8-copies-ab/`).
+(`run int8-copies-ab, docs/evaluation.md#older-runs`).
 
 Memory: float32 weights, twice bf16's (6.2 GB for the 1.5B target; an int8 decode copy adds a quarter
 of that, 0.5 GB for the 0.5B draft). A tied output head gets its own

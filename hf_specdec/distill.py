@@ -186,7 +186,7 @@ class Distiller:
         """Steps until `config.steps` (from the checkpoint's step, if any), cycling through `prompts` in
         an order shuffled by the seed (the same order on a resumed run). Prompts in the order given
         (the eval lists them by category) would train one category at a time: on the real pair that
-        run ended on code and lowered acceptance on every other category (evals/results/distill/)."""
+        run ended on code and lowered acceptance on every other category (run distill, docs/evaluation.md#older-runs)."""
         from tqdm.auto import tqdm
 
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.config.seed)).tolist()

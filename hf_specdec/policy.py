@@ -65,7 +65,7 @@ tokens is priced 1 + d (w - 1) + e max(0, w - 9), with e fitted alongside d once
 sides of the knee have been timed; trees and lookup lengths are chosen on that curve.
 A CPU's GEMM kernels need not follow a line at all: on the packed 1.5B target on a 2-core AVX-512
 EPYC a forward over 2 tokens costs 1.15-1.25 one-token steps and one over 5 tokens 0.78-0.92 (the
-eval's cost table, evals/results/greedy-widths/). So a single row also prices each verify width by
+eval's cost table, run greedy-widths, docs/evaluation.md#older-runs). So a single row also prices each verify width by
 its own running mean time once a few rounds of that width were timed (`price_by_width`;
 `verify_curve` pins the prices), the line pricing the widths not timed yet. Nodes and draft lengths
 are then chosen for the best rate over every length, not by whether the next token pays: a tree
@@ -105,7 +105,7 @@ class PolicySettings:
     # 1.2 one-token steps (a 1.5B model on 2 CPU cores); the online fit replaces it within a few rounds.
     prior_verify_cost: float = 0.03
     # Rows in the batch: before the fit, one more verify column costs `rows` tokens of target compute,
-    # d = prior_verify_cost x rows (measured, evals/results/batch-widths: 0.12 at batch 4, 0.20 at 8).
+    # d = prior_verify_cost x rows (measured, run batch-widths, docs/evaluation.md#older-runs: 0.12 at batch 4, 0.20 at 8).
     rows: int = 1
     # Wide verify forwards: past `verify_knee` tokens each more token costs e on top of d (on a CPU a
     # forward leaves the memory-bound regime; on the real pair's cost table d is 0.02-0.03 below 9
@@ -117,7 +117,7 @@ class PolicySettings:
     # Price each verify width by its own measured time, not only by the line above (single rows): a
     # CPU's GEMM kernels need not cost more for more tokens (the packed 1.5B target on a 2-core
     # AVX-512 EPYC: 2 tokens 1.15-1.25 steps, 5 tokens 0.78-0.92, 9 tokens 0.95-1.14;
-    # evals/results/greedy-widths/). Online, a width's price is the running mean of its rounds' times
+    # run greedy-widths, docs/evaluation.md#older-runs). Online, a width's price is the running mean of its rounds' times
     # over the step once `width_observations` rounds of that width have been timed (the line prices
     # the others); `verify_curve` pins the prices (entry i: a forward over i + 1 tokens, in target
     # steps; wider ones extend its last segment).

@@ -141,7 +141,7 @@ def longest_matches(host: list[int], starts: list[int], n: int, max_ngram: int, 
     """(occurrences, size): of the occurrences `starts` (ascending) of the last n tokens, those in the
     longest match's size bucket, longest first, then earliest (as transformers' prompt lookup takes
     the first match: replayed on the real pair's greedy outputs, the earliest of equal matches
-    continued them in fewer rounds than the most recent, evals/results/match-length/); and that size.
+    continued them in fewer rounds than the most recent, run match-length, docs/evaluation.md#older-runs); and that size.
     With `cap` <= n: every occurrence, most recent first, and size n."""
     if cap <= n:
         return starts[::-1], n

@@ -51,3 +51,26 @@ def test_every_cited_results_path_exists():
             if not (ROOT / cited).exists():
                 missing.setdefault(cited, path.relative_to(ROOT).as_posix())
     assert not missing, missing
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    return re.sub(r"[^a-z0-9 _-]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_pages_point_to_files_and_headings_that_exist():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+\.md)?(?:#([^)\s]+))?\)", page.read_text()):
+            path, anchor = target
+            if not path and not anchor:
+                continue
+            file = (page.parent / path) if path else page
+            if not file.exists():
+                broken.append(f"{page.name}: {path}")
+                continue
+            headings = {_slug(h) for h in re.findall(r"^#+ (.+)$", file.read_text(), flags=re.M)}
+            if anchor and anchor not in headings:
+                broken.append(f"{page.name}: {path}#{anchor}")
+    assert not broken, broken

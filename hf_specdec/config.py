@@ -88,7 +88,7 @@ class SpeculativeConfig:
     # against 1.121 over the faster transformers method (modelled, geometric means), translation 0.985x,
     # math 1.031x; a greedy round needs the draft's argmax, which reads less context than its whole
     # distribution. In seeded sampling replays 64 lost RAG (3 of 5 prompts slower, 0.995x plain against
-    # 1.225x): sampling keeps 256. Standard greedy run with it: evals/results/greedy-window/.
+    # 1.225x): sampling keeps 256. Standard greedy run with it: docs/evaluation.md (current results).
     draft_window: int | None | str = "auto"
     # Pin the draft/target step cost ratio c instead of measuring it online.
     draft_cost: float | None = None

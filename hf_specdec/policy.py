@@ -109,7 +109,7 @@ class PolicySettings:
     rows: int = 1
     # Wide verify forwards: past `verify_knee` tokens each more token costs e on top of d (on a CPU a
     # forward leaves the memory-bound regime; on the real pair's cost table d is 0.02-0.03 below 9
-    # tokens and 0.04-0.05 above, evals/results/standard/cost_table.json). e is fitted online from
+    # tokens and 0.04-0.05 above, docs/evaluation.md, the bf16 table). e is fitted online from
     # rounds on both sides of the knee (single rows only; a batch prices columns at d x rows).
     verify_knee: int = 9
     verify_knee_cost: float | None = None  # pin e instead of measuring it (pinning d alone pins e at its prior)

@@ -3,6 +3,7 @@
     python evals/replay.py --cost-table evals/results/gpu-handwritten/cost_table.json \\
         --out evals/results/gpu-handwritten            # both modes, the 35 report-split prompts (~30 min)
     python evals/replay.py --cost-table T --out D --modes greedy --limit 2    # a quick look
+    python evals/replay.py --cost-table T --out D --explain-only   # margins where greedy left the recorded plain greedy
 
 A method's work (its forwards: how many, how wide, over how much context) depends on the tokens, not
 on the machine, except hf_specdec's: its cost model chooses what to propose from the costs it is
@@ -122,6 +123,25 @@ def summarize(records: list[dict], replayed: list[dict], table: CostTable) -> tu
     return "\n".join(lines), summary
 
 
+def explain_mismatches(target, by_id: dict, replayed: list[dict], max_new_tokens: int) -> list[str]:
+    """For each greedy replay whose output differs from the recorded plain greedy: plain greedy on this
+    machine, and where hf_specdec leaves it, the top-two margin of plain decoding there in bf16 steps
+    (0: an exact tie; 1: adjacent bf16 numbers, which a forward over more tokens may round the other way)."""
+    from hf_specdec.diagnostics import greedy_divergence
+
+    lines = []
+    for r in (r for r in replayed if r["mode"] == "greedy" and not r.get("same_as_plain", True)):
+        ids = torch.tensor([by_id[r["id"]]["input_ids"]])
+        out = target.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, return_dict_in_generate=True,
+                              output_scores=True)
+        here = out.sequences[0, ids.shape[1]:]
+        found = greedy_divergence(here, torch.tensor(r["tokens"]), [s[0] for s in out.scores])
+        steps = "-" if found is None else f"{found.margin_in_bf16_steps:.1f} bf16 steps"
+        lines.append(f"| {r['id']} | {r['category']} | {'-' if found is None else found.position} | "
+                     f"{'-' if found is None else f'{found.margin:.4f}'} | {steps} |")
+    return lines
+
+
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_options(parser, cost_table=REQUIRED)
@@ -132,6 +152,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a mode (a quick look)")
     parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
+    parser.add_argument("--explain-only", action="store_true",
+                        help="no replay: read <out>/replay.jsonl and explain its greedy mismatches (margins in bf16 steps)")
     add_options(parser, "threads")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -151,6 +173,14 @@ def main(argv=None) -> dict:
     by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.explain_only:
+        replayed = [json.loads(line) for line in open(out / "replay.jsonl")]
+        lines = explain_mismatches(target, by_id, replayed, args.max_new_tokens)
+        text = ("| prompt | category | first differing token | plain's top-two margin | in bf16 steps |\n"
+                "|---|---|---|---|---|\n" + "\n".join(lines) + "\n")
+        (out / "mismatches.md").write_text(text)
+        print(text)
+        return {}
     replayed = []
     with open(out / "replay.jsonl", "w") as sink:
         for mode in args.modes:

@@ -19,7 +19,6 @@ Writes checks.json and checks.md under --out and exits non-zero if identity or a
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import warnings
@@ -35,23 +34,10 @@ import hf_specdec  # noqa: E402
 sys.path.insert(0, str(HERE))
 from common import REQUIRED, add_options  # noqa: E402
 from conftest import ARCHITECTURES, chi_square_against, perturbed, tiny_model  # noqa: E402
-from hf_specdec.proposals import DraftModelDrafter  # noqa: E402
+from test_exactness import NEW, SAMPLING, VOCAB, UnprocessedQ, exact_joint, processors  # noqa: E402
 
 ALPHA = 1e-3
-VOCAB, NEW = 8, 3
-SAMPLING = dict(do_sample=True, temperature=0.8, top_k=5, top_p=0.95, repetition_penalty=1.3)  # test_exactness's
 PINNED = dict(draft_cost=0.3, verify_cost=0.02)  # the cost model on, reading no clock
-
-
-class UnprocessedQ(DraftModelDrafter):
-    """Broken on purpose (as tests/test_exactness.py): samples from the processed q, reports the raw one."""
-
-    def propose(self, request):
-        proposal = super().propose(request)
-        raw = self.model(torch.cat([request.ids, proposal.tokens], dim=1)).logits[:, request.ids.shape[1] - 1 : -1]
-        return dataclasses.replace(proposal, draft_probs=torch.softmax(raw.float(), -1))
-
-
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
@@ -158,29 +144,6 @@ def greedy_identity(device: str, new_tokens: int) -> list[dict]:
     return rows
 
 
-@torch.no_grad()
-def exact_joint(model, prompt: torch.Tensor) -> dict[tuple[int, ...], float]:
-    """P(first NEW tokens = t) under plain sampling with SAMPLING's processors, by enumeration."""
-    from transformers import (
-        LogitsProcessorList, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper,
-    )
-
-    pipeline = LogitsProcessorList([
-        RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]), TemperatureLogitsWarper(SAMPLING["temperature"]),
-        TopKLogitsWarper(SAMPLING["top_k"]), TopPLogitsWarper(SAMPLING["top_p"]),
-    ])
-    law = {(): 1.0}
-    for _ in range(NEW):
-        grown = {}
-        for prefix, mass in law.items():
-            ids = torch.cat([prompt, torch.tensor([prefix], dtype=torch.long, device=prompt.device).reshape(1, -1)], dim=1)
-            probs = torch.softmax(pipeline(ids, model(ids).logits[:, -1].float()), -1)[0].double().cpu()
-            for tok in torch.nonzero(probs).flatten().tolist():
-                grown[prefix + (tok,)] = mass * probs[tok].item()
-        law = grown
-    return law
-
-
 def chi_square(device: str, samples: int, batch: int) -> list[dict]:
     """Sampled sequences as rows of batched calls (rows are independent draws of the same law)."""
     target = tiny_model("llama", vocab=VOCAB, seed=21, init=0.25)
@@ -191,18 +154,9 @@ def chi_square(device: str, samples: int, batch: int) -> list[dict]:
     rows = []
     variants = [("hf_specdec, fixed k=2", dict(assistant=draft, adaptive=False, ngram=False, num_draft_tokens=2)),
                 ("hf_specdec, cost model", dict(assistant=draft, **PINNED)),
-                ("broken: q reported unprocessed", dict(candidate_generator=None, adaptive=False, ngram=False,
-                                                        num_draft_tokens=2))]
+                ("broken: q reported unprocessed", dict(candidate_generator=UnprocessedQ(draft, processors(), do_sample=True),
+                                                        adaptive=False, ngram=False, num_draft_tokens=2))]
     for seed, (name, kwargs) in enumerate(variants):
-        if "candidate_generator" in kwargs:
-            from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-            from transformers import RepetitionPenaltyLogitsProcessor
-
-            pipeline = LogitsProcessorList([
-                RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
-                TemperatureLogitsWarper(SAMPLING["temperature"]), TopKLogitsWarper(SAMPLING["top_k"]),
-                TopPLogitsWarper(SAMPLING["top_p"])])
-            kwargs = dict(kwargs, candidate_generator=UnprocessedQ(draft, pipeline, do_sample=True))
         torch.manual_seed(seed)
         drawn = []
         while len(drawn) < samples:

@@ -84,6 +84,11 @@ class RaggedBatch:
         """Most tokens any active row may still generate."""
         return max(self.limits[row] - len(self.generated[row]) for row in self.rows)
 
+    def longest(self) -> int:
+        """Real tokens (prompt and generated, no padding or holes) in the longest active row: the
+        positions a model has read for it. Host state, no device read."""
+        return max(len(self.prompts[row]) + len(self.generated[row]) for row in self.rows)
+
     def left(self, i: int) -> int:
         """Tokens active row i may still generate."""
         row = self.rows[i]

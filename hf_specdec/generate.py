@@ -102,26 +102,14 @@ def speculative_generate(
     requests: Requests | None = None,
     **model_kwargs: Any,
 ) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:
-    """Speculative decoding as a transformers custom generation strategy.
-
-    Beyond what `generate()` passes: `assistant` (the draft model, same vocabulary) or
-    `candidate_generator` (a `Drafter`, or any transformers `CandidateGenerator`: one row, no logits
-    meaning point masses); `acceptance_sink` (callable or path, one `RoundRecord` per round);
-    `generator`; `spec_streamer` (transformers does not forward `streamer=` to a callable); and the
-    `SpeculativeConfig` settings one by one or as `speculative_config` (explicit ones win); `requests`
-    (continuous batching: prompts that join while it runs, see `hf_specdec.generate_continuous`). docs/usage.md's
-    argument table documents each. Returns the sequences, or with `return_dict_in_generate=True` a
-    `SpeculativeDecoderOnlyOutput` whose `acceptance` holds the statistics.
-    """
+    """Speculative decoding as a transformers custom generation strategy. Beyond what `generate()`
+    passes: the draft (`assistant`, or a `candidate_generator`), `acceptance_sink`, `generator`,
+    `spec_streamer`, the `SpeculativeConfig` settings one by one or as `speculative_config` (explicit
+    ones win) and `requests` (continuous batching); docs/usage.md documents each. Returns the
+    sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
+    config = check_arguments({k: v for k, v in locals().items() if k in _OWN_ARGUMENTS})  # before any model work
     if streamer is None:
         _refuse_dropped_streamer(spec_streamer)
-    _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config)
-    config = _resolve_config(
-        speculative_config, num_draft_tokens=num_draft_tokens, draft_temperature=draft_temperature,
-        adaptive=adaptive, ngram=ngram, draft_vocab_size=draft_vocab_size, draft_cost=draft_cost, verify_cost=verify_cost,
-        verify_knee_cost=verify_knee_cost, price_by_width=price_by_width, verify_curve=verify_curve, tree=tree,
-        draft_prefill_cost=draft_prefill_cost, draft_window=draft_window,
-    )
     _validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
               streaming=streamer is not None or spec_streamer is not None)
     if requests is not None:
@@ -287,7 +275,7 @@ def propose(state: DecodeState) -> Proposal:
     room = batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     if state.policy.measuring_costs:  # the prompt's encoding and one step are timed before anything is guessed
         room = 0
-    draft_room = state.drafter.room(batch.ids, batch.mask)  # the draft's context length bounds it (None: no bound)
+    draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max_tokens=min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room),
                            clock=state.clock.now if state.policy.measures_time else None)
@@ -918,13 +906,17 @@ _CONFIG_ARGUMENTS = ("num_draft_tokens", "draft_temperature", "adaptive", "ngram
                      "draft_window")
 
 
-def check_arguments(kwargs: dict[str, Any]) -> None:
-    """The checks `speculative_generate` makes of its own arguments (given by name in `kwargs`), for a
-    caller that must make them before it reads anything (`generate_continuous` takes its first prompt
-    from the stream before generate() runs)."""
+_OWN_ARGUMENTS = frozenset({*_CONFIG_ARGUMENTS, "assistant", "acceptance_sink", "generator", "spec_streamer",
+                            "speculative_config"})
+
+
+def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
+    """`speculative_generate`'s own arguments (by name in `kwargs`) checked by type and range, and the
+    call's config: explicit settings over `speculative_config` (or the defaults). `generate_continuous`
+    calls it too, before it reads its first prompt."""
     _validate_arguments(kwargs.get("assistant"), kwargs.get("acceptance_sink"), kwargs.get("generator"),
                         kwargs.get("spec_streamer"), kwargs.get("speculative_config"))
-    _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in _CONFIG_ARGUMENTS if k in kwargs})
+    return _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in _CONFIG_ARGUMENTS if k in kwargs})
 
 
 def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:

@@ -715,8 +715,7 @@ class DraftPolicy:
 
     def calibrated(self, confidence: float) -> float:
         """P(target accepts a draft token | the draft gave it probability `confidence`)."""
-        confidence = confidence if math.isfinite(confidence) else 0.0  # NaN scores: no confidence
-        b = min(max(0, int(confidence * self.settings.calibration_bins)), self.settings.calibration_bins - 1)
+        b = min(int(confidence * self.settings.calibration_bins), self.settings.calibration_bins - 1)
         return self.state.calib_accepted[b] / self.state.calib_reached[b]
 
     def stop_rule(self, rows: int, max_tokens: int | None = None) -> Callable[[list[float]], bool] | None:

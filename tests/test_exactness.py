@@ -53,7 +53,7 @@ def exact_joint(model, prompt=PROMPT) -> dict[tuple[int, ...], float]:
     for _ in range(NEW):
         grown = {}
         for prefix, mass in law.items():
-            ids = torch.cat([prompt, torch.tensor([prefix], dtype=torch.long).reshape(1, -1)], dim=1)
+            ids = torch.cat([prompt, torch.tensor([prefix], dtype=torch.long, device=prompt.device).reshape(1, -1)], dim=1)
             probs = torch.softmax(pipeline(ids, model(ids).logits[:, -1].float()), -1)[0].double()
             for tok in torch.nonzero(probs).flatten().tolist():
                 grown[prefix + (tok,)] = mass * probs[tok].item()

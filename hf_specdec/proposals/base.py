@@ -152,10 +152,9 @@ class Drafter(ABC):
         if self.cache is not None and self.cache.get_seq_length() > 0:
             raise NotImplementedError(f"{type(self).__name__} keeps a cache but cannot add a row to it (continuous batching)")
 
-    def room(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int | None:
-        """How many tokens this source can still propose per row after the work sequence `ids`
-        [rows, width] (`mask`: its real columns, None: all); a draft model's context length bounds
-        it. None: no bound."""
+    def room(self, longest: int) -> int | None:
+        """How many tokens this source can still propose per row when the longest row holds
+        `longest` real tokens; a draft model's context length bounds it. None: no bound."""
         return None
 
     def prefill_tokens(self, width: int) -> int:

@@ -93,6 +93,11 @@ def context_length(config) -> int | None:
     return None
 
 
+def _confidences(values: list[float]) -> list[float]:
+    """Probabilities read back from the draft, NaN (scores that were all NaN: a user's processor) as 0."""
+    return [v if v == v else 0.0 for v in values]
+
+
 class DraftModelDrafter(Drafter):
     """Draft tokens one draft forward each, from q = softmax(processors(prefix, draft logits)): the
     same `RowProcessors` path as the target's p, with each row's real prefix plus its drafts so far.
@@ -156,18 +161,17 @@ class DraftModelDrafter(Drafter):
             add_row(self.model, self.cache, ids, mask)
         self.processors.add_row()
 
-    def room(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int | None:
+    def room(self, longest: int) -> int | None:
         if self.cache is None:  # retired: a row longer than the draft's context joined
             return 0
         if self.max_positions is None:
             return None
-        # Positions come from the mask (holes and padding take none): the longest row's real tokens, less
-        # those a window hides; a cold draft will encode at most `window` of them.
-        real = ids.shape[1] if mask is None else int(mask.sum(dim=1).max())
+        # Positions count real tokens (holes and padding take none), less those a window hides; a cold
+        # draft will encode at most `window` of them.
         if self.cache.get_seq_length():
-            seen = real - self.hidden
+            seen = longest - self.hidden
         else:
-            seen = real if self.window is None else min(real, self.window)
+            seen = longest if self.window is None else min(longest, self.window)
         # drafting j tokens feeds positions up to seen + j - 2 (the last draft is never fed)
         return max(0, self.max_positions - seen + 1)
 
@@ -247,12 +251,11 @@ class DraftModelDrafter(Drafter):
         if not want_confidence:
             return token, q, None, None
         probs = q if q is not None else logits_to_probs(scores)
-        # [rows]; scores that are all NaN (a user's processor) give NaN: no confidence at all
-        q_token = probs.gather(-1, token[:, None])[:, 0].nan_to_num(0.0)
+        q_token = _confidences(probs.gather(-1, token[:, None])[:, 0].tolist())  # [rows]
         if self.do_sample:
-            return token, q, q_token.tolist(), None
-        second = probs.nan_to_num(0.0).scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
-        return token, q, q_token.tolist(), list(zip(second.indices.tolist(), second.values.tolist()))
+            return token, q, q_token, None
+        second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
+        return token, q, q_token, list(zip(second.indices.tolist(), _confidences(second.values.tolist())))
 
 
 class DraftCandidateGenerator(CandidateGenerator, Drafter):
@@ -289,7 +292,7 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
             self.drafter.start(input_ids.shape[0])
         rollback([self.drafter.cache], keep)
         rows = list(range(input_ids.shape[0]))
-        room = self.drafter.room(input_ids, None)  # the draft's context length bounds it
+        room = self.drafter.room(input_ids.shape[1])  # the draft's context length bounds it
         limit = self.num_draft_tokens if room is None else min(self.num_draft_tokens, room)
         request = DraftRequest(input_ids, None, Prefixes.from_tensor(input_ids, rows), limit)
         proposal = self.drafter.propose(request)
@@ -317,8 +320,8 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
     def prefill_tokens(self, width: int) -> int:
         return self.drafter.prefill_tokens(width)
 
-    def room(self, ids: torch.Tensor, mask: torch.Tensor | None) -> int | None:
-        return self.drafter.room(ids, mask)
+    def room(self, longest: int) -> int | None:
+        return self.drafter.room(longest)
 
     def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
         self.drafter.add_row(ids, mask)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+import hf_specdec
+
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # new tokens in a forward: plain, k + 1 for k up to 8, n-gram proposals
 CONTEXTS = (64, 256, 1024)  # cached tokens
 PREFILLS = (16, 64, 256, 1024)  # prompt tokens
@@ -67,28 +69,16 @@ class CostTable:
                 positions += width if model == "target" and context > 0 else 1
         return seconds + positions * self.position[mode][engine]
 
-    def pinned_costs(self, context: int, draft: str = "hf", window: int | None = 256) -> dict[str, float]:
-        """hf_specdec's cost-model inputs at `context`: c = draft step / target step, d = the
-        least-squares slope of target forward time against width up to 9 tokens, e = the slope
-        from 9 tokens to the widest measured, less d, the verify curve: every width's price up
-        to the widest measured (`price_by_width`), and the draft's prefill per token (over the prompt's
-        last `window` tokens; None: the whole prompt); all over the target step."""
+    def pinned_costs(self, context: int, draft: str = "hf", window: int | None = 256) -> dict:
+        """hf_specdec's prices at `context`, as the keyword argument `costs=` (an `hf_specdec.Costs`):
+        the draft step over the target step, every verify width's price up to the widest measured,
+        and the draft's prefill per token (over the prompt's last `window` tokens; None: the whole
+        prompt); all over the target step."""
         step = self.forward("target", 1, context)
-        xs = [w - 1 for w in self.widths if w <= 9]
-        ys = [self.forward("target", w, context) for w in self.widths if w <= 9]
-        mx, my = statistics.fmean(xs), statistics.fmean(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-        d = max(0.0, slope / step)
-        wide = [w for w in self.widths if w >= 9]  # past the knee (hf_specdec.policy): e on top of d
-        knee = 0.0  # a table measured only up to the knee shows none
-        if len(wide) > 1:
-            rise = self.forward("target", wide[-1], context) - self.forward("target", wide[0], context)
-            knee = max(0.0, rise / (wide[-1] - wide[0]) / step - d)
         curve = tuple(round(self.forward("target", w, context) / step, 4) for w in range(1, self.widths[-1] + 1))
-        # the draft's prefill per token, at the tokens it encodes (the prompt, or the draft's `window` of it)
-        encoded = min(context, window or context)
-        return dict(draft_cost=self.forward(draft, 1, context) / step, verify_cost=d, verify_knee_cost=knee,
-                    verify_curve=curve, draft_prefill_cost=self.forward(draft, encoded, 0) / encoded / step)
+        encoded = min(context, window or context)  # the tokens the draft's prefill encodes
+        return dict(costs=hf_specdec.Costs(draft_step=self.forward(draft, 1, context) / step, verify=curve,
+                                           draft_prefill=self.forward(draft, encoded, 0) / encoded / step))
 
     def alias(self, name: str, like: str) -> None:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""

@@ -52,27 +52,11 @@ ABLATIONS = {
     "hf_bf16_draft": dict(draft="bf16"),
     "hf_no_adaptive": dict(adaptive=False, num_draft_tokens=5),
     "hf_no_ngram": dict(ngram=False),
-    "hf_chain": dict(tree=False),  # one chain per round from one source (before trees of candidates)
-    "hf_trees": dict(tree=True),  # trees in sampling calls too (the default: greedy calls only)
-    # Verify forwards priced on the line through d and e only, not per width (`price_by_width`).
-    "hf_linear_verify": dict(price_by_width=False),
-    "hf_bf16_vocab32k": dict(draft_vocab_size=32768, draft="bf16"),
+    "hf_chain": dict(tree=False),  # one chain per round (no trees of candidates in greedy calls)
     # The draft encodes the prompt's last 256 tokens in greedy calls too (the default gives greedy 64,
     # sampling 256: `SpeculativeConfig.draft_window`).
     "hf_window256": dict(draft_window=256),
-    # Each source of trees alone: retrieval only (the draft priced out of every round), and the draft
-    # model only (no retrieval, so chains: hf_no_ngram).
-    "hf_retrieval_only": dict(draft_cost=1e3),
-    # Single levers of the cost model (SpeculativeConfig fields, passed as `speculative_config`).
-    "hf_min2": dict(config=dict(ngram_min_size=2)),  # no 1-gram matches, in trees either
-    "hf_no_wait": dict(config=dict(prefill_patience=0.0)),  # no ski rental for the draft's prefill
-    "hf_depths": dict(config=dict(ngram_depths=4)),  # lookup acceptance per depth (positions 2, 3, 4+)
-    # Lookups sized by their n-gram only (1-3 tokens), most recent occurrence first: not measured
-    # further back, no longest-match buckets (`ngram_match_cap`).
-    "hf_ngram_only_size": dict(config=dict(ngram_match_cap=0)),
-    # The draft's prefill priced as before the table's own prefill price was pinned: 0.35 d per token
-    # (d: the verify curve's slope, 0.00-0.01 on the packed 1.5B target: the prefill nearly free).
-    "hf_prefill_by_d": dict(draft_prefill_cost=None),
+    "hf_min2": dict(ngram_min_size=2),  # no 1-gram matches, in trees either
 }
 # hf_specdec with another draft (`--second-draft`, e.g. a distilled one: evals/distill.py), quantized as
 # the first and, where a saved cost table has no price for it, priced as the first (same architecture).
@@ -172,8 +156,6 @@ def run_method(method, target, drafts, input_ids, mode_kwargs, max_new_tokens, n
             kwargs["num_draft_tokens"] = num_draft_tokens
         ablation = dict(ABLATIONS.get(method, SECOND_DRAFT.get(method, {})))
         draft = ablation.pop("draft", "hf")
-        if "config" in ablation:
-            kwargs["speculative_config"] = hf_specdec.SpeculativeConfig(**ablation.pop("config"))
         kwargs.update(assistant=drafts[draft], **pins[draft])
         kwargs.update(ablation)  # an ablation's settings win over the pinned costs
     torch.manual_seed(seed)

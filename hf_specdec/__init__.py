@@ -20,11 +20,11 @@ if _found < (5, 23):
         "pip install 'transformers>=5.23,<6' (evals/gpu_run.sh installs a carried wheel where nothing can be fetched)."
     )
 
-from .config import SpeculativeConfig
+from .config import Costs, SpeculativeConfig
 from .cpu import PackedLinear, pack_linears
 from .continuous import StreamError, StreamResult, generate_continuous
 from .generate import SpeculativeDecoderOnlyOutput, StreamerNotForwardedError, speculative_generate
-from .policy import CostEstimates, DraftPolicy, PolicySettings, PolicyState
+from .planner import CostEstimates, Planner
 from .proposals import (
     CandidateGeneratorDrafter,
     DraftCandidateGenerator,
@@ -38,9 +38,7 @@ from .proposals import (
 from .quantize import quantize_weights
 from .self_draft import early_exit_draft
 from .stats import AcceptanceStats, RoundRecord
-from .verify import (
-    greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling, tree_speculative_sampling,
-)
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling
 
 # Folder holding `custom_generate/generate.py`: pass it as `custom_generate=` (with
 # `trust_remote_code=True`) to use the standard `assistant_model=` and `streamer=` arguments.
@@ -53,16 +51,15 @@ __all__ = [
     "AcceptanceStats",
     "CandidateGeneratorDrafter",
     "CostEstimates",
+    "Costs",
     "DraftCandidateGenerator",
     "DraftModelDrafter",
-    "DraftPolicy",
     "DraftRequest",
     "Drafter",
     "NgramCandidateGenerator",
     "NgramDrafter",
     "PackedLinear",
-    "PolicySettings",
-    "PolicyState",
+    "Planner",
     "Proposal",
     "RoundRecord",
     "SpeculativeConfig",
@@ -79,5 +76,4 @@ __all__ = [
     "quantize_weights",
     "speculative_generate",
     "speculative_sampling",
-    "tree_speculative_sampling",
 ]

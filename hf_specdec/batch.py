@@ -47,10 +47,13 @@ class RaggedBatch:
     ):
         batch = prompt.shape[0]
         self.prompts = list(prompt.unbind(0))  # per original row: what processors see before its tokens
+        self.prompt_host = prompt.tolist()  # the same on the host, for lookups (read once, before any round)
         self.limits = [max_new_tokens] * batch  # per original row
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
         self.mask = attention_mask if attention_mask is not None or batch == 1 else torch.ones_like(prompt)
+        # per active row, its real columns (mask ones), kept on the host: holes are counted without a device read
+        self.real = [prompt.shape[1]] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences
@@ -80,6 +83,10 @@ class RaggedBatch:
         tail = torch.tensor(self.generated[row], dtype=torch.long, device=self.ids.device)
         return torch.cat([self.prompts[row], tail])[None]
 
+    def host_sequences(self) -> list[list[int]]:
+        """Each active row's prompt and generated tokens on the host (what lookups search)."""
+        return [self.prompt_host[row] + self.generated[row] for row in self.rows]
+
     def remaining(self) -> int:
         """Most tokens any active row may still generate."""
         return max(self.limits[row] - len(self.generated[row]) for row in self.rows)
@@ -99,16 +106,18 @@ class RaggedBatch:
         draft_tokens: torch.Tensor,  # [active, m]: the draft columns kept (m = most accepted in any row)
         num_accepted: torch.Tensor,  # [active]
         extra_tokens: torch.Tensor,  # [active]: each row's recovered or bonus token
+        accepted: list[int],  # num_accepted on the host
     ) -> None:
         """The work sequence grows by the kept draft columns and one column of extra tokens."""
         self._prefixes = None
         m = draft_tokens.shape[1]
         self.ids = torch.cat([self.ids, draft_tokens, extra_tokens[:, None]], dim=1)
+        self.real = [real + n + 1 for real, n in zip(self.real, accepted)]
         if self.mask is None:  # batch of one: m == num_accepted, so no hole
             return
         positions = torch.arange(m, device=draft_tokens.device)
         kept = (positions[None, :] < num_accepted[:, None]).to(self.mask.dtype)  # [active, m]
-        if not bool(kept.all()):
+        if min(accepted) < m:
             self.ids_are_real = False
         self.mask = torch.cat([self.mask, kept, self.mask.new_ones(self.size, 1)], dim=1)
 
@@ -124,6 +133,7 @@ class RaggedBatch:
         self.ids = self.ids[index]
         self.mask = None if self.mask is None else self.mask[index]
         self.rows = [self.rows[i] for i in keep]
+        self.real = [self.real[i] for i in keep]
         select_rows(caches, index)
 
     def should_compact(self, caches: tuple[Cache | None, ...]) -> bool:
@@ -131,7 +141,7 @@ class RaggedBatch:
         batch whose caches allow gathering columns."""
         if self.mask is None or not self.size or not self._compactable:
             return False
-        holes = self.width - int(self.mask.sum(dim=1).max())
+        holes = self.width - max(self.real)
         if holes < max(COMPACT_MIN_HOLES, self.width // 4):
             return False
         self._compactable = can_gather(caches)  # e.g. sliding-window layers: holes stay (correct, less efficient)
@@ -180,6 +190,8 @@ class RaggedBatch:
         ids = torch.nn.functional.pad(prompt, (pad, 0), value=pad_token_id)[None]
         mask = torch.cat([self.mask.new_zeros(pad), self.mask.new_ones(prompt.shape[0])])[None]
         self.ids = torch.cat([self.ids, ids.to(self.ids.device)])
+        self.real.append(prompt.shape[0])
+        self.prompt_host.append(prompt.tolist())
         self.mask = torch.cat([self.mask, mask.to(self.ids.device)])
         self.ids_are_real = False
         row = len(self.prompts)
@@ -193,6 +205,7 @@ class RaggedBatch:
         """An empty batch drops its columns (the caches must be rolled back to 0 with it)."""
         self._prefixes = None
         self.ids = self.ids[:, :0]
+        self.real = []
         self.mask = self.mask[:, :0] if self.mask is not None else None
 
     def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, longest prompt + longest generation]

@@ -279,10 +279,11 @@ def generate_continuous(
     """Speculative decoding of a stream of prompts with continuous batching (see the module doc).
 
     `generate_kwargs` are `generate()`'s and `speculative_generate`'s (`max_new_tokens`, `do_sample`,
-    `temperature`, `generator`, `acceptance_sink`, `draft_cost`, ...). Returns one `StreamResult` per
+    `temperature`, `generator`, `acceptance_sink`, `costs`, ...). Returns one `StreamResult` per
     prompt in the order given (a failed one with its `error`); `on_result` receives each as soon as
     its row finishes. Raises `StreamError` (with the complete results) if the stream stopped early."""
-    from .generate import check_arguments, speculative_generate
+    from .arguments import check_arguments
+    from .generate import speculative_generate
     from .proposals.draft_model import context_length
 
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:

@@ -18,7 +18,7 @@ import torch
 from transformers import LogitsProcessorList, RepetitionPenaltyLogitsProcessor
 from transformers.generation import logits_process as lp
 
-from .verify import SPARSE_FRACTION, draw
+from .verify import SPARSE_FRACTION, draw, reads_are_free
 
 # transformers processors that treat every row alike and keep no per-row state: safe to apply to a
 # single row. (Repetition penalty keeps per-row padding lengths; `RowProcessors` slices them.)
@@ -176,7 +176,7 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:  # scores: [rows, vocab]
         vocab = scores.shape[-1]
-        if scores.device.type != "cpu" or vocab < 1024 or self.filter_value != -float("inf"):
+        if not reads_are_free(scores.device) or vocab < 1024 or self.filter_value != -float("inf"):
             return super().__call__(input_ids, scores)
         finite = int(torch.isfinite(scores).sum(dim=-1).max())
         if not 0 < finite <= vocab * SPARSE_FRACTION:

@@ -45,6 +45,13 @@ PAD_TOKEN = -1
 # `draw` samples among the non-zero entries only when at most this fraction of the vocabulary is non-zero.
 SPARSE_FRACTION = 1 / 8
 
+def reads_are_free(device: torch.device) -> bool:
+    """Whether reading a value back to the host costs nothing much (the CPU: no copy, no
+    synchronisation). There a few reads buy cheaper sampling (sparse top-p and draws, p computed only
+    as far as needed); on an accelerator each would stall the queue, and those paths are skipped."""
+    return device.type == "cpu"
+
+
 # p at target positions [start, stop): [batch, stop - start, vocab].
 TargetProbsAt = Callable[[int, int], torch.Tensor]
 
@@ -100,6 +107,8 @@ def lazy_speculative_sampling(
     at the positions computed, [batch, n, vocab] with num_accepted + 1 <= n <= k + 1 for every row.
     """
     batch, k = draft_tokens.shape
+    if not reads_are_free(draft_tokens.device):  # an accelerator: p everywhere at once, no read to decide
+        first_chunk = k + 1
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
     proposed = _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = torch.full((batch,), k, dtype=torch.long, device=draft_tokens.device)
@@ -214,7 +223,7 @@ def draw(
     same numbers), other random numbers consumed. Elsewhere: `torch.multinomial` over the row.
     """
     vocab = probs.shape[-1]
-    if probs.device.type == "cpu" and vocab >= 1024:
+    if reads_are_free(probs.device) and vocab >= 1024:
         support = int((probs > 0).sum(dim=-1).max())
         if 0 < support <= vocab * SPARSE_FRACTION:
             weights, index = probs.topk(support, dim=-1)  # [batch, support]: every non-zero entry (and zeros)
@@ -251,75 +260,9 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
 # ---------------------------------------------------------------- trees of candidates
 #
 # A tree proposal (`hf_specdec.proposals.tree`) is flat: node j has a token and a parent (-1: the
-# row's last real token, the root); parents come before children. The first `sampled` nodes are
-# the draft model's chain, each drawn from its q (`draft_probs[j]`) and each the *first* child of
-# its parent; every other node is a point mass (a retrieved token, or a greedy draft).
-#
-# Rule (SpecInfer's multi-step speculative sampling, arXiv:2305.09781, restricted so that only the
-# first child of a node is drawn from q): start at the root with r = p, the target's distribution
-# after the root. Try the node's children in order:
-#   * a child x drawn from q (first child, so r = p): accept with probability min(1, p(x) / q(x));
-#     on rejection r <- max(0, p - q);
-#   * a point-mass child y: accept with probability r(y) / sum(r); on rejection r(y) <- 0.
-# On acceptance, emit the child's token and repeat at that child with its own p. When every child
-# is rejected, emit one token drawn from normalize(r) and stop.
-#
-# Why the emitted tokens have the target's law: it suffices that the token emitted at one node is
-# distributed as p (then the walk continues, or stops, from a node whose p is the target's
-# conditional given that token, and induction on depth finishes). Each try is an exact sampler of
-# the current normalize(r) built from an exact sampler of what remains: (i) for x ~ q tested with
-# min(1, p(x)/q(x)), P(emit t) = min(p, q)(t) + (1 - sum min(p, q)) normalize(max(0, p - q))(t) = p(t)
-# (Leviathan et al. 2023, Theorem 1), provided the rejected branch emits from normalize(max(0, p - q));
-# (ii) for a point mass y tested with r(y) / |r|, P(emit y) = r(y) / |r| and, for t != y,
-# P(emit t) = (1 - r(y) / |r|) * r(t) / (|r| - r(y)) = r(t) / |r|, provided the rejected branch emits
-# from r with y removed. Chaining (i) and (ii) in any order, and ending with a direct draw, is an exact
-# sampler of p. Which tokens the children hold may depend on anything drawn before verification
-# (the draft's own samples, the retrieval), never on the uniforms used here. A sampled child that is
-# not first would be tested against a residual it was not drawn for; `_tree_children` refuses that.
-#
-# Greedy: follow the target's argmax down the tree; emit it where no child holds it.
-
-# p (or the processed scores, greedy) after a tree node (-1: the root): [vocab].
-TargetAt = Callable[[int], torch.Tensor]
-
-
-def tree_speculative_sampling(
-    tokens: list[int],  # [n]: node tokens
-    parents: list[int],  # [n]: parent node of each node (-1: the root)
-    draft_probs: torch.Tensor | None,  # [sampled, vocab]: q of nodes 0..sampled-1; None: all point masses
-    target_probs_at: TargetAt,  # node -> p after it, [vocab]; asked only for the nodes the walk reaches
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Stochastic verification of one row's tree (the rule above). Returns (the accepted nodes, root
-    first, and the one extra token: recovered at the node where every child was rejected, or bonus
-    at a leaf)."""
-    children = _tree_children(parents, 0 if draft_probs is None else draft_probs.shape[0])
-    node, path = -1, []
-    while True:
-        p = target_probs_at(node).float()  # [vocab]
-        residual, mass, accepted = p, float(p.sum()), None
-        for child in children.get(node, ()):
-            x = tokens[child]
-            u = float(torch.rand((), generator=generator, device=p.device))
-            if draft_probs is not None and child < draft_probs.shape[0]:  # drawn from q; first child, so residual is p
-                q = draft_probs[child].float()
-                if u * float(q[x]) < float(residual[x]):
-                    accepted = child
-                    break
-                residual = (residual - q).clamp_min(0.0)
-            else:
-                if u * mass < float(residual[x]):
-                    accepted = child
-                    break
-                residual = residual.clone()
-                residual[x] = 0.0
-            mass = float(residual.sum())
-        if accepted is None:
-            # Guard as in the chain rule: a residual of (numerically) zero mass -> draw from p.
-            final = residual if mass > RESIDUAL_EPS else p
-            return path, int(draw(final[None], generator)[0])
-        path.append(accepted)
-        node = accepted
+# row's last real token, the root); parents come before children. Trees are verified greedily (the
+# loop verifies sampled rounds as chains): follow the target's argmax down the tree; emit it where
+# no child holds it. The output is plain greedy's, token for token.
 
 
 def greedy_tree_verification(
@@ -328,7 +271,7 @@ def greedy_tree_verification(
     target_argmax_at: Callable[[int], int],  # node -> the target's argmax after it
 ) -> tuple[list[int], int]:
     """Follow the target's argmax down the tree. Returns (accepted nodes, the extra token)."""
-    children = _tree_children(parents, 0)
+    children = _tree_children(parents)
     node, path = -1, []
     while True:
         best = target_argmax_at(node)
@@ -339,17 +282,11 @@ def greedy_tree_verification(
         node = accepted
 
 
-def _tree_children(parents: list[int], sampled: int) -> dict[int, list[int]]:
-    """node -> its children in order; checks the tree's shape and that sampled nodes come first."""
+def _tree_children(parents: list[int]) -> dict[int, list[int]]:
+    """node -> its children in order; checks the tree's shape."""
     children: dict[int, list[int]] = {}
     for j, parent in enumerate(parents):
         if not -1 <= parent < j:
             raise ValueError(f"tree node {j} has parent {parent}: parents must come before their children")
         children.setdefault(parent, []).append(j)
-    for j in range(sampled):
-        if children[parents[j]][0] != j:
-            raise ValueError(
-                f"tree node {j} was drawn from q but is not its parent's first child; the rule tests a "
-                "sampled child against p itself, which only the first child sees"
-            )
     return children

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
-from typing import Callable
-
 import torch
 from transformers import Cache
 
@@ -14,7 +12,8 @@ from ..sampling import Prefixes
 
 @dataclass(frozen=True)
 class Proposal:
-    """Draft tokens for every active row, and what the acceptance rule and the cost model need of them.
+    """Draft tokens for every active row: chains, or one row's tree (a chain is the tree whose every
+    node's parent is the node before it).
 
     A chain: node j of a row follows node j - 1, node 0 follows the row's last real token. A tree
     (one row): `tree` gives each node's parent (-1: the last real token); its first `tree.chain`
@@ -27,30 +26,16 @@ class Proposal:
     # lookups, greedy drafts), verified as q = one-hot(token).
     draft_probs: torch.Tensor | None
     source: str  # "draft", "ngram", "none", or a foreign generator's class name
-    confidences: list[list[float]] | None = None  # per row, per token: the draft's probability of it (cost model)
+    # Per row the tokens on the host (the source read them once, or never had them on the device);
+    # rows shorter than k end early (their proposal length). None: read from `tokens` when needed.
+    host: list[list[int]] | None = None
+    sources: list[str] | None = None  # a batch mixing sources: per row; None: every row from `source`
+    tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: chains
     forwards: int = 0  # draft forward passes spent on this proposal
-    # per row, per token: the greedy draft's runner-up there (token, its probability), for tree siblings
+    # What a draft model says of its own tokens (read with them, in one copy): per row, per token its
+    # probability (`confidences`), and for greedy drafts its runner-up there (token, probability).
+    confidences: list[list[float]] | None = None
     runners_up: list[list[tuple[int, float]]] | None = None
-    tree: "Tree | None" = None  # the shape of a tree proposal (one row); None: a chain
-    seconds: float = 0.0  # wall time spent proposing (set by the loop)
-    # Of `seconds`, the time of a first draft forward that caught up on more than two columns the draft had
-    # not seen (not a draft step: the cost model leaves it out of c). 0: none, or not timed.
-    catchup_seconds: float = 0.0
-    # A batch mixing sources: per row its proposal length (tokens past it are padding, never
-    # accepted; 0: a plain step for that row) and its source. None: every row proposes all k tokens
-    # from `source`.
-    lengths: torch.Tensor | None = None  # [rows] int64
-    sources: list[str] | None = None
-    # Retrieval: per row the size n of the n-gram match its lookup follows (0: none; the cost model
-    # keeps an acceptance per size). None: no retrieval in this proposal.
-    match_sizes: list[int] | None = None
-    # One row: the retrieved continuation the round did not verify (the draft model was preferred, or
-    # no node paid) and the size of its match. The cost model scores it against the tokens the round
-    # emits, so each match size's acceptance is learned in every round, not only where it was tried.
-    unverified: tuple[list[int], int] | None = None
-    # One row: the cost model's estimate of P(node accepted) per proposed node (trees; logged as
-    # RoundRecord.estimated_acceptance). None: not estimated.
-    estimates: list[float] | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -58,24 +43,31 @@ class Proposal:
 
     def length(self, row: int) -> int:
         """How many tokens `row` really proposed."""
-        return self.num_tokens if self.lengths is None else int(self.lengths[row])
+        return self.num_tokens if self.host is None else len(self.host[row])
 
     def source_of(self, row: int) -> str:
         return self.source if self.sources is None else self.sources[row]
 
+    def host_tokens(self) -> list[list[int]]:
+        """Per row its tokens on the host (one read when the source left none)."""
+        return self.host if self.host is not None else self.tokens.tolist()
+
     @classmethod
     def nothing(cls, rows: int, device: torch.device) -> "Proposal":
         """No draft at all: the round is a plain target step."""
-        return cls(torch.empty((rows, 0), dtype=torch.long, device=device), None, source="none")
+        return cls(torch.empty((rows, 0), dtype=torch.long, device=device), None, source="none", host=[[] for _ in range(rows)])
 
-    def first(self, n: int) -> "Proposal":
-        """The first n tokens of a chain."""
+    def first(self, lengths: list[int]) -> "Proposal":
+        """Each row's chain cut to its length in `lengths` (the tensor to the longest)."""
+        n = max(lengths, default=0)
+        host = self.host_tokens()
         return replace(
             self,
             tokens=self.tokens[:, :n],
             draft_probs=None if self.draft_probs is None else self.draft_probs[:, :n],
-            confidences=None if self.confidences is None else [c[:n] for c in self.confidences],
-            runners_up=None if self.runners_up is None else [r[:n] for r in self.runners_up],
+            host=[row[:m] for row, m in zip(host, lengths)],
+            confidences=None if self.confidences is None else [c[:m] for c, m in zip(self.confidences, lengths)],
+            runners_up=None if self.runners_up is None else [r[:m] for r, m in zip(self.runners_up, lengths)],
         )
 
 
@@ -118,13 +110,10 @@ class DraftRequest:
 
     ids: torch.Tensor  # [rows, seq]: the work sequence (may contain masked holes in a batch)
     mask: torch.Tensor | None  # [rows, seq]: 1 for real tokens, 0 for padding and holes; None if none
-    prefixes: Prefixes  # each row's real sequence, for logits processors and lookups
+    prefixes: Prefixes  # each row's real sequence, for logits processors
     max_tokens: int  # propose at most this many tokens per row
-    # After each drafted token, given per row the draft's probability of it: draft another? (the
-    # cost model's early stop). None: draft max_tokens.
-    keep_drafting: Callable[[list[float]], bool] | None = None
-    # The loop's clock (seconds), for sources that time parts of their work for the cost model. None: untimed.
-    clock: Callable[[], float] | None = None
+    host: list[list[int]] = ()  # each row's real sequence on the host, for lookups (no device read)
+    confidences: bool = False  # a draft model reports its probability of each token (and greedy runners-up)
 
 
 class Drafter(ABC):

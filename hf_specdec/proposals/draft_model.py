@@ -104,7 +104,7 @@ class DraftModelDrafter(Drafter):
 
     Sampling: each token is drawn from q, and q is returned (`Proposal.draft_probs`). Greedy: each
     token is the argmax, a point mass (`draft_probs=None`). The draft's probability of each token
-    (`Proposal.confidences`) is computed only when the cost model asks for it (`keep_drafting`).
+    (`Proposal.confidences`) is computed only when the planner asks for it (`DraftRequest.confidences`).
 
     `window`: the draft encodes only the last `window` tokens of the sequence it first sees (the
     prompt) and everything after them, so a long prompt's draft prefill costs `window` tokens. Its
@@ -195,67 +195,59 @@ class DraftModelDrafter(Drafter):
         return extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]
 
     def propose(self, request: DraftRequest) -> Proposal:
+        """`request.max_tokens` tokens per row, one draft forward each, with no read of the device
+        until the last: the tokens (and with `request.confidences` the draft's probability of each,
+        and its runner-up in greedy drafts) come back in one copy."""
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
-        if self.cache is None:  # retired (see the class doc)
+        if self.cache is None or not request.max_tokens:  # retired (see the class doc), or asked for nothing
             return Proposal.nothing(ids.shape[0], ids.device)
-        tokens, probs, confidences, runners_up = [], [], [], []
-        cached = self.cache.get_seq_length()
-        # A warm draft that lacks more than the usual one or two columns (the extra token, and the last
-        # draft after an all-accepted round) catches up in its first forward, after n-gram or plain
-        # rounds: timed apart, as it is not a draft step (the cost model's c).
-        catchup_start = request.clock() if request.clock is not None and 0 < cached < width - 2 else None
-        catchup_seconds = 0.0
+        probs, reports = [], []
         for _ in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = self._logits(ids, mask)  # [rows, vocab]
-            token, q, confidence, runner_up = self._next(request.prefixes, ids[:, width:], logits, request.keep_drafting is not None)
-            if catchup_start is not None and not tokens:
-                catchup_seconds = request.clock() - catchup_start
-            tokens.append(token)
+            token, q, report = self._next(request.prefixes, ids[:, width:], logits, request.confidences)
             probs.append(q)
+            reports.append(report)
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
-            if runner_up is not None:
-                runners_up.append(runner_up)
-            if confidence is not None:
-                confidences.append(confidence)
-                if len(tokens) < request.max_tokens and not request.keep_drafting(confidence):
-                    break
-        rows = ids.shape[0]
+        tokens = ids[:, width:]  # [rows, k]
+        parts = [tokens.double(), *(torch.stack(part, dim=1) for part in zip(*reports))]  # each [rows, k]
+        host = torch.stack(parts).tolist()  # the one read: [parts, rows, k]
+        confidences = runners_up = None
+        if request.confidences:
+            confidences = [_confidences(row) for row in host[1]]
+            if not self.do_sample:
+                runners_up = [list(zip((int(t) for t in tr), _confidences(pr))) for tr, pr in zip(host[2], host[3])]
         return Proposal(
-            tokens=ids[:, width:],  # [rows, k]
-            draft_probs=torch.stack(probs, dim=1) if self.do_sample and probs else None,  # [rows, k, vocab]
-            source=self.source,
-            confidences=[list(c) for c in zip(*confidences)] if confidences else None,
-            runners_up=[list(r) for r in zip(*runners_up)] if runners_up else None,
-            forwards=len(tokens),
-            catchup_seconds=catchup_seconds,
-        ) if tokens else Proposal.nothing(rows, ids.device)
+            tokens=tokens, draft_probs=torch.stack(probs, dim=1) if self.do_sample else None,  # [rows, k, vocab]
+            source=self.source, host=[[int(t) for t in row] for row in host[0]], forwards=request.max_tokens,
+            confidences=confidences, runners_up=runners_up,
+        )
 
     def _next(
         self,
         prefixes: Prefixes,
         drafts: torch.Tensor,  # [rows, j]: drafted so far this round
         logits: torch.Tensor,  # [rows, vocab]: raw draft logits
-        want_confidence: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, list[float] | None, list[tuple[int, float]] | None]:
-        """(token [rows], q [rows, vocab] or None, the draft's probability of the token per row, and
-        for greedy drafts its runner-up (token, probability) per row); the last two only when wanted."""
+        report: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
+        """(token [rows], q [rows, vocab] or None, and when `report` on the device: the draft's
+        probability of the token, and for greedy drafts its runner-up and the runner-up's probability)."""
         scores = self.processors.scores(prefixes, drafts, logits)  # [rows, vocab]
         if self.do_sample:
             q = logits_to_probs(scores)
             token = sample(q, self.generator)
         else:
             q, token = None, scores.argmax(dim=-1)
-        if not want_confidence:
-            return token, q, None, None
+        if not report:
+            return token, q, []
         probs = q if q is not None else logits_to_probs(scores)
-        q_token = _confidences(probs.gather(-1, token[:, None])[:, 0].tolist())  # [rows]
+        q_token = probs.gather(-1, token[:, None])[:, 0].double()  # [rows]
         if self.do_sample:
-            return token, q, q_token, None
+            return token, q, [q_token]
         second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
-        return token, q, q_token, list(zip(second.indices.tolist(), _confidences(second.values.tolist())))
+        return token, q, [q_token, second.indices.double(), second.values.double()]
 
 
 class DraftCandidateGenerator(CandidateGenerator, Drafter):

@@ -10,15 +10,21 @@ renormalised (`hf_specdec.verify`, `draft_probs=None`; greedy acceptance is unch
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..config import SpeculativeConfig
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
-from .tree import longest_matches, retrieve
+from .tree import retrieve
 
 _DEFAULTS = SpeculativeConfig()  # one set of defaults for the hybrid and the stand-alone generator
+
+
+MAX_TOKENS = 32  # the longest continuation retrieved
+MATCH_CAP = 32  # how far back a match is measured (`hf_specdec.proposals.tree.longest_matches`)
 
 
 def ngram_lookup(
@@ -29,29 +35,20 @@ def ngram_lookup(
 ) -> torch.Tensor:  # [<= max_tokens]: the proposed continuation (empty when nothing matches)
     """The continuation of the most recent earlier occurrence of the sequence's last n tokens, trying
     n = max_ngram down to min_ngram."""
-    return ngram_match(sequence, max_ngram, min_ngram, max_tokens)[0]
+    tokens, _ = ngram_match(sequence.tolist(), max_ngram, min_ngram, max_tokens)
+    return torch.tensor(tokens, dtype=torch.long, device=sequence.device)
 
 
 def ngram_match(
-    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, match_cap: int = 0
-) -> tuple[torch.Tensor, int]:
-    """`ngram_lookup`'s continuation and the size of the match it follows (0: no match). The cost
-    model keeps a running acceptance per match size: a 1-token match is a weaker clue than a 3-token
-    one. With `match_cap` above n, the occurrence followed is the one whose match reaches furthest
-    back (the earliest among equals) and the size is its bucket (`hf_specdec.proposals.tree.longest_matches`)."""
-    length = sequence.shape[0]
-    for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        suffix = sequence[length - n :]
-        windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]: every earlier n-gram
-        starts = (windows == suffix).all(dim=1).nonzero().flatten()
-        if starts.numel():  # every occurrence has a continuation (it ends before the last token)
-            if match_cap <= n:  # the most recent occurrence
-                follow, size = int(starts[-1]) + n, n
-            else:
-                ordered, size = longest_matches(sequence.tolist(), starts.tolist(), n, max_ngram, match_cap)
-                follow = ordered[0] + n
-            return sequence[follow : follow + max_tokens], size
-    return sequence.new_empty(0), 0
+    host: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int, match_cap: int = 0
+) -> tuple[list[int], int]:
+    """`ngram_lookup`'s continuation (host tokens) and the size of the match it follows (0: no
+    match). The planner keeps a running acceptance per match size: a 1-token match is a weaker clue
+    than a 3-token one. With `match_cap` above n, the occurrence followed is the one whose match
+    reaches furthest back (the earliest among equals) and the size is its bucket
+    (`hf_specdec.proposals.tree.longest_matches`)."""
+    continuations, size = retrieve(host, max_ngram, min_ngram, max_tokens, 1, match_cap)
+    return (continuations[0], size) if continuations else ([], 0)
 
 
 class NgramDrafter(Drafter):
@@ -63,8 +60,8 @@ class NgramDrafter(Drafter):
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
         min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
-        max_tokens: int = _DEFAULTS.ngram_max_tokens,
-        match_cap: int = _DEFAULTS.ngram_match_cap,
+        max_tokens: int = MAX_TOKENS,
+        match_cap: int = MATCH_CAP,
     ):
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
@@ -77,33 +74,23 @@ class NgramDrafter(Drafter):
     def propose(self, request: DraftRequest) -> Proposal:
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
+        tokens, _ = self.match_rows(request)[0]
+        ids = torch.tensor([tokens], dtype=torch.long, device=request.ids.device)  # [1, L]
+        return Proposal(ids, draft_probs=None, source=self.source, host=[tokens])
+
+    def match_rows(self, request: DraftRequest) -> list[tuple[list[int], int]]:
+        """Each row's lookup (host tokens, empty where nothing matches) and the size of the match it
+        follows (`ngram_match`), from the rows' host sequences: no device read."""
         budget = min(self.max_tokens, request.max_tokens)
-        sequence = request.prefixes.sequences[0]
-        tokens, size = ngram_match(sequence, self.max_ngram, self.min_ngram, budget, self.match_cap)
-        return Proposal(tokens[None], draft_probs=None, source=self.source, match_sizes=[size])  # [1, L]
-
-    def lookup_rows(self, request: DraftRequest) -> list[torch.Tensor]:
-        """Each row's lookup (any batch size): [<= max_tokens] per row, empty where nothing matches."""
-        return [tokens for tokens, _ in self.match_rows(request)]
-
-    def match_rows(self, request: DraftRequest) -> list[tuple[torch.Tensor, int]]:
-        """Each row's lookup and the size of the match it follows (`ngram_match`)."""
-        budget = min(self.max_tokens, request.max_tokens)
-        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap)
-                for seq in request.prefixes.sequences]
-
-    def continuations(self, request: DraftRequest, max_branches: int) -> list[list[int]]:
-        """Every distinct continuation (up to `max_branches`, most recent first) of the row's last
-        n-gram, for a tree proposal (`hf_specdec.proposals.tree.ngram_continuations`)."""
-        return self.retrieve(request, max_branches)[0]
+        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap) for seq in request.host]
 
     def retrieve(self, request: DraftRequest, max_branches: int) -> tuple[list[list[int]], int]:
-        """`continuations` and the size of the match they follow (0: none)."""
-        if len(request.prefixes.rows) != 1:
-            raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
+        """Every distinct continuation (up to `max_branches`) of the row's last n-gram, for a tree
+        proposal, and the size of the match they follow (0: none; `hf_specdec.proposals.tree.retrieve`)."""
+        if len(request.host) != 1:
+            raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.host)}")
         budget = min(self.max_tokens, request.max_tokens)
-        sequence = request.prefixes.sequences[0]
-        return retrieve(sequence, self.max_ngram, self.min_ngram, budget, max_branches, self.match_cap)
+        return retrieve(request.host[0], self.max_ngram, self.min_ngram, budget, max_branches, self.match_cap)
 
 
 class NgramCandidateGenerator(CandidateGenerator):
@@ -119,7 +106,7 @@ class NgramCandidateGenerator(CandidateGenerator):
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
         min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
-        max_tokens: int = _DEFAULTS.ngram_max_tokens,
+        max_tokens: int = MAX_TOKENS,
     ):
         self.drafter = NgramDrafter(max_ngram, min_ngram, max_tokens)
 

@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from ..stats import DRAFT
+from ..stats import DRAFT, NGRAM
 from .base import Proposal, Tree
 
 SIBLING = "sibling"  # a greedy draft's runner-up at a chain position, as a point-mass sibling of the chain node
@@ -77,7 +77,7 @@ class Trie:
 
 
 def ngram_continuations(
-    sequence: torch.Tensor,  # [seq]: one row's real tokens
+    sequence: torch.Tensor | Sequence[int],  # one row's real tokens
     max_ngram: int,
     min_ngram: int,
     max_tokens: int,
@@ -86,29 +86,29 @@ def ngram_continuations(
     """Up to `max_branches` distinct continuations (each at most `max_tokens` long) of the earlier
     occurrences of the sequence's last n tokens, most recent occurrence first, for the longest n in
     max_ngram..min_ngram that occurs. Empty when nothing matches. The first one is `ngram_lookup`'s."""
-    return retrieve(sequence, max_ngram, min_ngram, max_tokens, max_branches)[0]
+    host = sequence.tolist() if isinstance(sequence, torch.Tensor) else sequence
+    return retrieve(host, max_ngram, min_ngram, max_tokens, max_branches)[0]
 
 
 def retrieve(
-    sequence: torch.Tensor, max_ngram: int, min_ngram: int, max_tokens: int, max_branches: int, match_cap: int = 0
+    host: Sequence[int], max_ngram: int, min_ngram: int, max_tokens: int, max_branches: int, match_cap: int = 0
 ) -> tuple[list[list[int]], int]:
-    """`ngram_continuations` and the size of the match they follow (0: no match). With `match_cap`
-    above n, each occurrence's match is measured further back (`match_length`) and only the
-    occurrences whose match falls in the longest one's size bucket (`match_bucket`) contribute,
-    longest first, then earliest; the size returned is that bucket."""
-    length = sequence.shape[0]
+    """`ngram_continuations` of a host sequence and the size of the match they follow (0: no match).
+    With `match_cap` above n, each occurrence's match is measured further back (`match_length`) and
+    only the occurrences whose match falls in the longest one's size bucket (`match_bucket`)
+    contribute, longest first, then earliest; the size returned is that bucket."""
+    host, length = list(host), len(host)
     for n in range(min(max_ngram, length - 1), min_ngram - 1, -1):
-        windows = sequence[: length - 1].unfold(0, n, 1)  # [length - n, n]
-        starts = (windows == sequence[length - n :]).all(dim=1).nonzero().flatten().tolist()
+        suffix, first = host[length - n :], host[length - n]
+        # every earlier occurrence (it ends before the last token, so it has a continuation)
+        starts = [i for i in range(length - n) if host[i] == first and host[i : i + n] == suffix]
         if not starts:
             continue
-        host = sequence.tolist()
         starts, size = longest_matches(host, starts, n, max_ngram, match_cap)
         out: list[list[int]] = []
         seen: set[tuple[int, ...]] = set()
         for start in starts:
-            follow = start + n
-            continuation = tuple(host[follow : follow + max_tokens])
+            continuation = tuple(host[start + n : start + n + max_tokens])
             if continuation and continuation not in seen:
                 seen.add(continuation)
                 out.append(list(continuation))
@@ -199,24 +199,25 @@ def subtree(trie: Trie, keep: list[int]) -> tuple[list[int], list[int]]:
 
 
 def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: str, device: torch.device) -> Proposal:
-    """The proposal verifying nodes `keep` of `trie` (which holds `chain`'s tokens as its first nodes,
-    all kept, when a draft chain is given). A plain chain when the kept nodes do not branch and come
-    from one source (verified by the chain rule); a `Tree` otherwise."""
+    """The proposal verifying nodes `keep` of `trie`, which holds `chain`'s tokens (when a draft chain
+    is given) as its first nodes; the kept ones among them are a prefix of the chain. A plain chain
+    when the kept nodes do not branch and come from one source (verified by the chain rule); a `Tree`
+    otherwise. Greedy only: every node is a point mass."""
     tokens, parents = subtree(trie, keep)
     kept = sorted(keep)
-    drafted = 0 if chain is None else chain.num_tokens
-    if drafted and kept[:drafted] != list(range(drafted)):
-        raise ValueError("a tree proposal must keep the whole draft chain as its first nodes")
+    drafted, forwards = 0, 0 if chain is None else chain.forwards
+    while chain is not None and drafted < min(len(kept), chain.num_tokens) and kept[drafted] == drafted:
+        drafted += 1
     ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, n]
-    is_chain = parents == list(range(-1, len(parents) - 1))
-    if is_chain and drafted in (0, len(tokens)):
-        if chain is not None:
-            return chain
-        return Proposal(ids, draft_probs=None, source=source)
+    if parents == list(range(-1, len(parents) - 1)) and drafted in (0, len(tokens)):  # a chain from one source
+        if drafted:
+            return chain.first([drafted])
+        # retrieved tokens only; after a draft ran, the draft's cache holds its own tokens (`sources` says so)
+        return Proposal(ids, None, source=NGRAM if forwards else source, host=[tokens], forwards=forwards,
+                        sources=[NGRAM] if forwards else None)
     return Proposal(
-        ids, draft_probs=None if chain is None else chain.draft_probs, source=source,
-        confidences=None if chain is None else chain.confidences, forwards=0 if chain is None else chain.forwards,
-        tree=Tree(parents, drafted, [trie.counts[n] > 0 for n in kept]),
+        ids, draft_probs=None, source=source, host=[tokens], forwards=forwards, tree=Tree(parents, drafted, [trie.counts[n] > 0 for n in kept]),
+        confidences=None if chain is None or chain.confidences is None else [chain.confidences[0][:drafted]],
     )
 
 

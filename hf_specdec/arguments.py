@@ -1,0 +1,224 @@
+"""Setup and validation of a speculative generate call: hf_specdec's own arguments checked by type and
+range before any model work, the call's `SpeculativeConfig` resolved, and clear errors for what the
+decode loop cannot do correctly (named, never silently wrong)."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from typing import Any
+
+import torch
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+from transformers.generation.stopping_criteria import MaxLengthCriteria
+from transformers.generation.streamers import BaseStreamer
+
+from .cache import check_cache
+from .config import SETTINGS, SpeculativeConfig
+from .proposals import Drafter
+
+
+def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
+    """`base` (or the defaults) with every explicitly given argument replacing its field. None means
+    "not given", except for `draft_window`, whose None (the whole prompt) differs from its default:
+    there "not given" is the string "default"."""
+    given = {k: v for k, v in overrides.items() if v is not None and not (k == "draft_window" and v == "default")}
+    if overrides.get("draft_window", "default") is None:
+        given["draft_window"] = None
+    return dataclasses.replace(base or SpeculativeConfig(), **given)
+
+
+
+
+def continuous_settings(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer):
+    """Continuous batching's checks and settings: (config, stopping criteria)."""
+    if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
+        raise ValueError("continuous batching needs the draft model or an hf_specdec Drafter; a transformers "
+                         "CandidateGenerator runs one row at a time")
+    if streamer is not None:
+        raise ValueError("streamers take one row; continuous batching runs many")
+    if input_ids.shape[0] != 1:
+        raise ValueError("continuous batching starts from one prompt (the others join as it runs)")
+    if any(isinstance(p, MinNewTokensLengthLogitsProcessor) for p in logits_processor or []):
+        raise ValueError("min_new_tokens counts from one prompt length in transformers' processor; "
+                         "continuous batching has many (use min_length, or one generate call per prompt)")
+    # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
+    config = dataclasses.replace(config, tree=False, draft_window=None)
+    stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
+    return config, stopping_criteria
+
+
+def validate(
+    model: PreTrainedModel,
+    assistant: PreTrainedModel | None,
+    candidate_generator: Drafter | CandidateGenerator | None,
+    input_ids: torch.Tensor,
+    generation_config: GenerationConfig,
+    synced_gpus: bool,
+    model_kwargs: dict[str, Any],
+    streaming: bool = False,
+) -> None:
+    """Clear errors for what this decode loop cannot do correctly."""
+    if input_ids.shape[0] > 1 and streaming:
+        raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
+    if assistant is None and candidate_generator is None:
+        raise ValueError(
+            "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() "
+            "(transformers consumes `assistant_model=` itself before a custom_generate callable sees it)."
+        )
+    if model.config.is_encoder_decoder:
+        raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
+    if generation_config.num_beams != 1:
+        raise ValueError(
+            f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "
+            "it implements greedy and multinomial sampling only."
+        )
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("hf_specdec does not support num_return_sequences > 1 yet.")
+    if input_ids.shape[0] != 1 and candidate_generator is not None and not isinstance(candidate_generator, Drafter):
+        raise ValueError(
+            f"a custom candidate_generator runs one row at a time, got a batch of {input_ids.shape[0]} rows."
+        )
+    if synced_gpus:
+        raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+    for flag in ("output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag):
+            raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
+        )
+    _validate_model_inputs(model_kwargs)
+    _validate_padding(model_kwargs.get("attention_mask"), input_ids)
+    if input_ids.shape[1] == 0:
+        raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
+    check_cache(model_kwargs.get("cache"), "target")
+    cached = model_kwargs["cache"].get_seq_length() if model_kwargs.get("cache") is not None else 0
+    if cached >= input_ids.shape[1]:
+        raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
+                         "must hold a prefix of input_ids, with at least the last token left to encode.")
+    if assistant is not None:
+        _validate_assistant(model, assistant)
+
+
+class StreamerNotForwardedError(ValueError):
+    """`streamer=` was given to `model.generate` with the callable `custom_generate=`: transformers puts
+    the prompt into it and does not hand it to the callable, so no token and no end would follow."""
+
+
+def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
+    """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
+    `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
+    No public route hands the object over, so it is found in generate()'s own frame, ended (the
+    consumer wakes up) and refused with an error naming the two forms that stream."""
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(2)
+    for _ in range(16):  # generate() -> its decorators -> this call
+        if frame is None:
+            return
+        if frame.f_code is code:
+            break
+        frame = frame.f_back
+    else:
+        return
+    dropped = frame.f_locals.get("streamer")
+    if dropped is None or dropped is spec_streamer:
+        return
+    dropped.end()
+    raise StreamerNotForwardedError(
+        "streamer= does not reach a callable custom_generate (transformers consumes it and would stream only the "
+        "prompt); pass spec_streamer=your_streamer instead, or use the directory form "
+        "custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, which takes streamer=. "
+        "The streamer has been ended."
+    )
+
+
+OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator", "spec_streamer",
+                            "speculative_config"})
+
+
+def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
+    """`speculative_generate`'s own arguments (by name in `kwargs`) checked by type and range, and the
+    call's config: explicit settings over `speculative_config` (or the defaults). `generate_continuous`
+    calls it too, before it reads its first prompt."""
+    _validate_arguments(kwargs.get("assistant"), kwargs.get("acceptance_sink"), kwargs.get("generator"),
+                        kwargs.get("spec_streamer"), kwargs.get("speculative_config"))
+    return _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in SETTINGS if k in kwargs})
+
+
+def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:
+    """Type checks of hf_specdec's own call arguments, before any model work."""
+    if assistant is not None and not isinstance(assistant, torch.nn.Module):
+        raise ValueError(f"assistant must be a transformers model (the draft), got {type(assistant).__name__}")
+    if acceptance_sink is not None and not (callable(acceptance_sink) or isinstance(acceptance_sink, (str, os.PathLike))):
+        raise ValueError(f"acceptance_sink must be a callable or a file path, got {type(acceptance_sink).__name__}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
+    if spec_streamer is not None and not (callable(getattr(spec_streamer, "put", None)) and callable(getattr(spec_streamer, "end", None))):
+        raise ValueError(f"spec_streamer must be a streamer (with put() and end()), got {type(spec_streamer).__name__}")
+    if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
+        raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(speculative_config).__name__}")
+
+
+def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> None:
+    """A named error for masks this loop would misread: every row must be left-padded (zeros, then
+    ones) with at least one real token; transformers only warns about right padding and returns rows
+    that differ from each prompt's own."""
+    if mask is None:
+        return
+    if mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}")
+    mask = mask.bool()
+    padding_after_a_token = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # a 1 followed by a 0
+    empty = ~mask.any(dim=1)
+    bad = (padding_after_a_token | empty).nonzero()[:, 0].tolist()
+    if bad:
+        what = "has no real token" if bool(empty[bad[0]]) else "has padding after its tokens (right padding)"
+        raise ValueError(
+            f"attention_mask row {bad[0]} {what}: hf_specdec needs left-padded batches (zeros, then the prompt), "
+            "as transformers' decoder-only generation does; set tokenizer.padding_side = 'left'"
+            + (f" ({len(bad)} rows affected)" if len(bad) > 1 else "")
+        )
+
+
+# What generate() puts in model_kwargs for a text prompt, all of which the loop handles itself:
+# the mask, the cache, and settings it derives anew for every forward (positions from the mask).
+_HANDLED_MODEL_INPUTS = frozenset({
+    "attention_mask", "cache", "past_key_values", "use_cache", "logits_to_keep", "position_ids", "cache_position",
+    "output_attentions", "output_hidden_states", "return_dict",
+})
+
+
+def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
+    """Clear errors for forward inputs the loop would otherwise drop (plain generate() passes them to
+    every forward, so dropping them would silently change the output)."""
+    if model_kwargs.get("inputs_embeds") is not None:
+        raise ValueError("hf_specdec starts from input_ids (both models read the same token ids); "
+                         "inputs_embeds is not supported: pass the prompt as input_ids.")
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_INPUTS)
+    if extra:
+        raise ValueError(
+            f"hf_specdec feeds both models token ids and an attention mask only; got {', '.join(extra)}, which plain "
+            "generate() would pass to every forward and hf_specdec would drop. Generate without them, or with "
+            "plain generate()."
+        )
+
+
+def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:
+    if assistant.config.is_encoder_decoder:
+        raise ValueError("the draft model (assistant) must be decoder-only.")
+    target_vocab = model.get_output_embeddings().weight.shape[0]
+    draft_vocab = assistant.get_output_embeddings().weight.shape[0]
+    if target_vocab != draft_vocab:
+        raise ValueError(
+            f"vocabulary mismatch: the target scores {target_vocab} tokens but the draft scores {draft_vocab}. "
+            "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary."
+        )
+    if assistant.device != model.device:
+        raise ValueError(f"the draft is on {assistant.device} but the target is on {model.device}; move them together.")

@@ -1,0 +1,365 @@
+"""The round planner: what each round verifies, chosen by expected tokens per unit of cost.
+
+Units: a target forward over one new token costs 1. The planner has three parts.
+
+* `CostCurve`: what a target forward over w new tokens costs at the batch's row count, what one
+  draft forward costs (c), and the draft's encoding of one prompt token. Pinned (`Costs`), or
+  measured online: each width's running mean time once it was timed `TIMED` times, a least-squares
+  line through those means for the widths not timed yet, and before two widths are timed a line of
+  slope d0, measured from the prompt's encoding and the first one-token step (the first two rounds
+  are plain while nothing is pinned): d0 = (T_prompt / T_step - 1) / (n - 1). A machine that
+  computes a wide forward at the cost of as many steps has d0 near 1, and nothing is drafted there.
+* `Acceptance`: per source, the chance that a proposed node is accepted. The draft model: per
+  depth i the running P(token i accepted | tokens before it were), which plans how far to draft,
+  and a calibration of the draft's own confidence (its probability of the token) against what the
+  target accepted, which prices the nodes it did draft. Retrieval: per size of the n-gram match a
+  continuation follows, the running acceptance of its tokens; a retrieved continuation the round did
+  not verify is scored against the tokens the round emitted (each emitted token is distributed as p,
+  so that is what verifying it would have accepted it with): every size learns every round, free.
+* `Planner.plan`: one rule for a row, a batch and a tree. Candidate nodes (the retrieved ones, each
+  with its estimated reach: the chance it and its ancestors are accepted) are taken best first, a
+  parent before its children, and the prefix of that order with the most expected tokens per unit
+  of cost is kept (`best_nodes`; one row's forward widens by one column a node, a batch's by its
+  longest chain). The draft model is planned the same way before it runs, from its per-depth
+  acceptance: k tokens cost k c, reach the products of the depths' acceptances, and k is the length
+  with the best rate; it runs when that rate beats retrieval's. Once drafted, its tokens are priced
+  by their calibrated confidences and `best_nodes` picks the nodes to verify among them and the
+  retrieved ones (the k forwards are spent either way). A cold draft also pays its prompt's
+  encoding P: spread over the tokens it is expected to draft, R (1 - s) for R tokens still to
+  generate and s the share of rounds so far in which retrieval beat a warm draft, its rate becomes
+  D / (D / rate + P). Drafting that does not pay is retried after `PROBE` rounds without it (the
+  wait doubles after a probe that did not pay, up to `MAX_PROBE`), so its estimates stay current.
+
+Exactness does not depend on any of this: every decision is a function of the past rounds and of
+the draft's own proposals, never of the uniforms that verify them, and each proposed token is
+verified by the rejection rule. Measured costs come from wall time, so what is drafted (and which
+random numbers a seeded run consumes) depends on timing; pin `costs=` for runs that must repeat.
+Pure Python, no torch: the loop hands the planner host numbers only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from .config import PREFILL_RATIO, Costs
+
+EMA = 0.2  # weight of the newest round in running estimates
+TIMED = 3  # rounds of a width timed before its own mean prices it
+OUTLIER = 2.0  # a round's time counts as at most this many times the curve's prediction
+PRIOR_DRAFT_STEP = 0.4  # c before the first draft step is timed (a 3x smaller draft)
+PRIOR_SLOPE = 0.03  # d per row before anything is timed: memory-bound verification
+PRIOR_DRAFT, PRIOR_LOOKUP = 0.7, 0.8  # acceptance priors (optimistic, so each source is tried)
+BINS, BIN_PRIOR = 10, 2.0  # confidence calibration: bins, pseudo-observations per bin
+PROBE, MAX_PROBE = 8, 64  # rounds without the draft before it is tried again (doubling after a failed try)
+SLOW_VERIFY = 0.3  # d at or above this: a wide forward costs several steps, little can pay
+
+
+def _ema(old: float, new: float, weight: float) -> float:
+    return (1 - weight) * old + weight * new
+
+
+class CostCurve:
+    """Prices in target one-token steps at the current row count: pinned, or measured online."""
+
+    def __init__(self, pinned: Costs | None, rows: int = 1):
+        self.pinned, self.rows = pinned, rows
+        self.seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> running mean seconds
+        self.seen: dict[tuple[int, int], int] = {}
+        self.draft_ratio: float | None = None  # c as timed: draft step over the target's step
+        self.slope0: float | None = None  # d0, from the prompt's encoding and one step
+        self.prompt: tuple[float, int] = (0.0, 0)  # the target's prompt encoding: seconds, columns
+        self.rounds = 0  # rounds observed
+
+    @property
+    def measuring(self) -> bool:
+        """True while the first two rounds (the prompt's encoding, one step) are timed for d0."""
+        return self.pinned is None and self.slope0 is None and self.rounds < 2
+
+    def _means(self) -> dict[int, float]:
+        return {w: s for (r, w), s in self.seconds.items() if r == self.rows and self.seen[r, w] >= 1}
+
+    def _line(self) -> tuple[float, float] | None:
+        """(seconds of a one-token step, d) through the timed widths' means (least squares), or
+        from the one width timed and the prior slope; None before any."""
+        means = self._means()
+        if not means:
+            return None
+        prior = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
+        if len(means) == 1:
+            (w, s), = means.items()
+            return s / (1 + prior * (w - 1)), prior
+        mx = sum(means) / len(means)
+        my = sum(means.values()) / len(means)
+        slope = sum((w - mx) * (s - my) for w, s in means.items()) / sum((w - mx) ** 2 for w in means)
+        t1 = my - slope * (mx - 1)
+        if t1 <= 0:
+            return my / (1 + prior * (mx - 1)), prior
+        return t1, min(1.0, max(0.0, slope / t1))
+
+    def step_seconds(self) -> float | None:
+        line = self._line()
+        return None if line is None else line[0]
+
+    def verify_price(self, width: int) -> float:
+        """A target forward over `width` new tokens in every row, in one-token steps."""
+        if self.pinned is not None:
+            return self.pinned.verify_price(width)
+        line = self._line()
+        if line is None:
+            slope = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
+            return 1.0 + slope * (width - 1)
+        if self.seen.get((self.rows, width), 0) >= TIMED:
+            return self.seconds[self.rows, width] / line[0]
+        return 1.0 + line[1] * (width - 1)
+
+    @property
+    def draft_step(self) -> float:
+        if self.pinned is not None:
+            return self.pinned.draft_step
+        return PRIOR_DRAFT_STEP if self.draft_ratio is None else self.draft_ratio
+
+    def prefill(self, tokens: int) -> float:
+        """The draft encoding `tokens` prompt tokens, in target steps."""
+        if self.pinned is not None:
+            return self.pinned.prefill_per_token() * tokens
+        seconds, columns = self.prompt
+        step = self.step_seconds()
+        per_token = seconds / columns / step if step and columns >= 8 else self.verify_price(2) - 1.0
+        return PREFILL_RATIO * per_token * tokens
+
+    def observe(self, width: int, seconds: float, draft_steps: int = 0, draft_seconds: float = 0.0,
+                columns: int = 0) -> None:
+        """One round's target forward over `width` new tokens (`columns` fed: the whole prompt in the
+        first round) and `draft_steps` timed draft steps. The first round encodes the prompt: kept for
+        d0 and the draft's prefill price, not a width's time."""
+        self.rounds += 1
+        if self.pinned is not None:
+            return
+        if self.rounds == 1:
+            self.prompt = (seconds, columns or width)
+            return
+        if self.slope0 is None and self.rounds == 2 and width == 1 and self.prompt[1] >= 8 and seconds > 0:
+            self.slope0 = min(1.0, max(0.0, (self.prompt[0] / seconds - 1) / (self.prompt[1] - 1)))
+        step = self.step_seconds()
+        if step:  # a stalled round (another process, a collection) moves the estimates a little
+            seconds = min(seconds, OUTLIER * step * self.verify_price(width))
+        key = (self.rows, width)
+        n = self.seen.get(key, 0)
+        self.seconds[key] = _ema(self.seconds.get(key, seconds), seconds, max(EMA, 1 / (n + 1)))
+        self.seen[key] = n + 1
+        step = self.step_seconds()
+        if draft_steps and step:
+            ratio = draft_seconds / draft_steps / step
+            old = self.draft_ratio
+            self.draft_ratio = ratio if old is None else _ema(old, min(ratio, OUTLIER * old), EMA)
+
+
+class Acceptance:
+    """Per source, the estimated chance that a proposed node is accepted."""
+
+    def __init__(self, depth: int):
+        self.draft = [PRIOR_DRAFT] * depth  # P(draft token i accepted | the ones before it were)
+        self.hits = [BIN_PRIOR * (b + 0.5) / BINS for b in range(BINS)]  # calibration: accepted per bin
+        self.tries = [BIN_PRIOR] * BINS  # ... and reached per bin
+        self.lookup_all = PRIOR_LOOKUP  # retrieved tokens, all match sizes
+        self.lookup: dict[int, float] = {}  # per match size
+        self.lookup_seen: dict[int, int] = {}
+
+    def draft_reach(self, k: int) -> list[float]:
+        """P(draft tokens 1..i all accepted), i = 1..k, before drafting."""
+        out, p = [], 1.0
+        for a in self.draft[:k]:
+            p *= a
+            out.append(p)
+        return out
+
+    def calibrated(self, confidence: float) -> float:
+        """P(the target accepts a draft token | the draft gave it probability `confidence`)."""
+        b = min(max(int(confidence * BINS), 0), BINS - 1)
+        return self.hits[b] / self.tries[b]
+
+    def lookup_at(self, size: int | None) -> float:
+        """The acceptance of a retrieved token after a match of `size` tokens: that size's estimate,
+        or where none yet the nearest shorter size's (a longer match is no weaker a clue)."""
+        if size in self.lookup:
+            return self.lookup[size]
+        shorter = [s for s in self.lookup if size and s < size]
+        return max(self.lookup_all, self.lookup[max(shorter)]) if shorter else self.lookup_all
+
+    def observe_draft(self, drafted: int, accepted: int, first_hit: bool, confidences: Sequence[float] | None,
+                      weight: float) -> None:
+        """One row's draft chain of `drafted` tokens, `accepted` of them accepted; `first_hit`: the
+        draft's first forward paid (its token, or in a tree the runner-up beside it, was taken)."""
+        for i in range(min(accepted + 1, drafted)):
+            hit = float(first_hit if i == 0 else i < accepted)
+            self.draft[i] = _ema(self.draft[i], hit, weight)
+            if confidences is not None:
+                b = min(max(int(confidences[i] * BINS), 0), BINS - 1)
+                self.hits[b] += float(i < accepted)
+                self.tries[b] += 1
+
+    def observe_lookup(self, size: int | None, accepted: bool) -> None:
+        """One retrieved token reached by verification (or scored against the emitted tokens)."""
+        self.lookup_all = _ema(self.lookup_all, float(accepted), EMA / 2)
+        if size:
+            n = self.lookup_seen.get(size, 0)
+            start = self.lookup.get(size, self.lookup_at(size))
+            self.lookup[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
+            self.lookup_seen[size] = n + 1
+
+    def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None) -> None:
+        """A continuation the round did not verify, against the tokens it emitted (unbiased: see the module)."""
+        for mine, actual in zip(proposed, emitted):
+            self.observe_lookup(size, mine == actual)
+            if mine != actual:
+                break
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """What a round verifies: `draft` draft-model tokens (0: none; the nodes to verify among them are
+    chosen once they are drafted), or else per row the retrieved nodes `nodes` (empty: a plain step)."""
+
+    draft: int
+    nodes: list[list[int]]
+    rate: float  # expected tokens per unit of cost
+    probe: bool = False  # the draft runs to refresh its estimates, not because it pays
+
+
+class Planner:
+    """Plans each round of one generate call (see the module docstring)."""
+
+    def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1):
+        self.max_draft, self.adaptive = max_draft, adaptive
+        self.curve = CostCurve(costs, rows)
+        self.acceptance = Acceptance(max_draft)
+        self.without_draft = 0  # rounds since the draft model last ran
+        self.probe_wait = PROBE
+        self.retrieval_won, self.compared = 0.0, 0.0  # rounds where retrieval beat a warm draft, of those compared
+
+    @property
+    def rows(self) -> int:
+        return self.curve.rows
+
+    def set_rows(self, rows: int) -> None:
+        """The batch now has `rows` rows (finished rows left, or prompts joined): prices follow."""
+        self.curve.rows = rows
+
+    def best_nodes(self, reach: list[list[float]], base: float = 0.0, most: int | None = None,
+                   keep: list[list[int]] | None = None) -> tuple[list[list[int]], float]:
+        """(per row the nodes to verify, sorted; the expected tokens per unit of cost). `reach[r][j]`:
+        P(row r's node j and its ancestors are accepted), non-increasing from a parent to its children,
+        which come after it. Nodes in `keep` are taken first; then the others best first, up to `most`
+        nodes, and the prefix of that order with the best rate is kept. `base`: cost already spent."""
+        rows = len(reach)
+        chosen = [sorted(k) for k in keep] if keep else [[] for _ in range(rows)]
+        taken = {(r, j) for r in range(rows) for j in chosen[r]}
+        order = sorted(((-p, r, j) for r, row in enumerate(reach) for j, p in enumerate(row)
+                        if p > 0 and (r, j) not in taken))
+        tokens = rows + sum(reach[r][j] for r, j in taken)
+        width = lambda counts: 1 + (sum(counts) if rows == 1 else max(counts, default=0))  # noqa: E731
+        counts = [len(c) for c in chosen]
+        best_rate, best = tokens / (base + self.curve.verify_price(width(counts))), 0
+        limit = len(order) if most is None else max(0, most - len(taken))
+        for n, (p, r, _) in enumerate(order[:limit], start=1):
+            tokens -= p
+            counts[r] += 1
+            rate = tokens / (base + self.curve.verify_price(width(counts)))
+            if rate > best_rate:
+                best_rate, best = rate, n
+        for _, r, j in order[:best]:
+            chosen[r].append(j)
+        return [sorted(c) for c in chosen], best_rate
+
+    def draft_length(self, most: int, prefill: int = 0, remaining: int = 0) -> tuple[int, float]:
+        """(k, rate): the draft length with the best expected tokens per unit of cost for the batch
+        (each row's chain reaching as `Acceptance.draft_reach` says), its prefill spread over what it
+        is expected to draft; (0, 0.0) when it cannot draft."""
+        rows, c = self.rows, self.curve.draft_step
+        best, best_rate, gain = 0, 0.0, 0.0
+        for k, p in enumerate(self.acceptance.draft_reach(most), start=1):
+            gain += p
+            rate = rows * (1 + gain) / (k * c + self.curve.verify_price(1 + k))
+            if rate > best_rate:
+                best, best_rate = k, rate
+        if best and prefill:
+            share = self.retrieval_won / (self.compared + 2.0)  # two pseudo-rounds in which retrieval lost
+            drafted = max(1.0, remaining * rows * (1 - share))
+            best_rate = drafted / (drafted / best_rate + self.curve.prefill(prefill))
+        return best, best_rate
+
+    def plan(self, retrieved: list[list[float]], draft_room: int, prefill: int = 0, remaining: int = 0,
+             most: int | None = None) -> RoundPlan:
+        """This round: per row the reach of each retrieved node (`best_nodes`), at most `draft_room`
+        draft tokens (0: the draft cannot run), the draft's `prefill` tokens still to encode and the
+        `remaining` tokens to generate, at most `most` nodes per round (trees)."""
+        nodes, rate = self.best_nodes(retrieved, most=most)
+        if not draft_room:
+            return RoundPlan(0, nodes, rate)
+        if not self.adaptive:
+            return RoundPlan(min(self.max_draft, draft_room), [[] for _ in retrieved], 0.0)
+        k, draft_rate = self.draft_length(min(self.max_draft, draft_room), prefill, remaining)
+        if prefill:  # would retrieval take this round from a draft already warm?
+            self.compared += 1
+            self.retrieval_won += float(rate >= self.draft_length(min(self.max_draft, draft_room))[1])
+        if draft_rate > rate:
+            return RoundPlan(k, [[] for _ in retrieved], draft_rate)
+        plain = self.rows / self.curve.verify_price(1)
+        if self.without_draft >= self.probe_wait and draft_rate <= plain and not prefill:
+            return RoundPlan(max(1, k), [[] for _ in retrieved], draft_rate, probe=True)
+        return RoundPlan(0, nodes, rate)
+
+    def observe_draft(self, drafted: list[int], accepted: list[int], first_hits: list[bool],
+                      confidences: list[Sequence[float]] | None, probe: bool = False) -> None:
+        """A round in which the draft model ran: per row that verified its chain, the tokens drafted and
+        accepted, whether its first forward paid, and its confidences."""
+        self.without_draft = 0
+        weight = EMA / max(1, len(drafted))  # a batch moves the estimates as much as one row
+        for r, (k, n, hit) in enumerate(zip(drafted, accepted, first_hits)):
+            self.acceptance.observe_draft(k, n, hit, None if confidences is None else confidences[r], weight)
+        if not self.adaptive:
+            return
+        pays = self.draft_length(self.max_draft)[1] > self.rows / self.curve.verify_price(1)
+        if pays:
+            self.probe_wait = PROBE
+        elif probe:
+            self.probe_wait = min(MAX_PROBE, 2 * self.probe_wait)
+
+    def observe_without_draft(self) -> None:
+        """A round without the draft model (plain, or retrieval only)."""
+        self.without_draft += 1
+
+    def estimates(self) -> "CostEstimates":
+        """The estimates as they stand (the output's `cost_model`)."""
+        d = self.curve.verify_price(2) - 1.0
+        first = self.acceptance.draft[0] if self.acceptance.draft else 0.0
+        return CostEstimates(draft_cost=self.curve.draft_step, verify_cost=d, measured_verify_cost=self.curve.slope0,
+                             first_acceptance=first, drafting_pays=first > self.curve.draft_step + d,
+                             pinned=self.curve.pinned is not None)
+
+
+@dataclass(frozen=True)
+class CostEstimates:
+    """The planner's estimates at the end of a generate call, in target steps: a drafted token pays
+    for itself only when its chance of acceptance beats `draft_cost + verify_cost`."""
+
+    draft_cost: float  # c: one draft forward
+    verify_cost: float  # d: one more token in the verifying forward (price of 2 tokens less 1)
+    measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
+    first_acceptance: float  # running acceptance of the first draft token
+    drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
+    pinned: bool  # the prices were given (costs=), not measured
+
+    def describe(self) -> str:
+        """One line for a person: the costs and whether a drafted token pays on this machine."""
+        how = "pinned" if self.pinned else "measured"
+        line = (f"draft step c = {self.draft_cost:.2f}, verify d = {self.verify_cost:.2f} a token ({how}): "
+                f"a drafted token pays when accepted more often than c + d = {self.draft_cost + self.verify_cost:.2f}"
+                f" (first-token acceptance {self.first_acceptance:.2f})")
+        if self.verify_cost >= SLOW_VERIFY:
+            line += (f"; here one more token in a forward costs {self.verify_cost:.2f} of a step, so little can pay: "
+                     "speculation needs a forward bound by reading the weights (a GPU, a CPU with bf16 "
+                     "instructions such as AVX-512 BF16 or AMX for a bf16 model, or on other CPUs a float32 "
+                     "target packed for oneDNN: hf_specdec.pack_linears, CLI --pack)")
+        return line

@@ -1,0 +1,488 @@
+"""The six stages of a round, each a short function over the `DecodeState` and plain data:
+
+    proposal, trace = propose(state)           # 1. the planner picks the nodes, the sources propose them
+    verdict = verify(state, proposal)          # 2. one target forward, the acceptance rule per row
+    commit(state, proposal, verdict)           # 3. caches and the work sequence
+    emission = emit(state, verdict)            # 4. stopping criteria, streamer, output scores
+    observe(state, proposal, trace, verdict, emission)  # 5. statistics, the sink, the planner
+    retire(state, emission.finished)           # 6. finished rows leave; holes are compacted
+
+With continuous batching, `admit(state)` lets waiting prompts join before each round.
+
+Device reads: a round reads the device at most three times, each one copy: the draft's tokens and
+confidences (`DraftModelDrafter.propose`), the verdict (accepted counts and emitted tokens; for a
+tree every node's argmax), and the stopping criteria's answers. Everything else the planner and the
+lookups need is host data (`RaggedBatch` keeps each row's tokens on the host). On a CPU a few more
+reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_path, pad_front, rollback
+from .planner import RoundPlan
+from .proposals import DraftRequest, Proposal
+from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
+from .sampling import logits_to_probs
+from .stats import DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling
+
+if TYPE_CHECKING:
+    from .generate import DecodeState
+
+TREE_BRANCHES = 8  # retrieved continuations merged into a tree
+
+
+@dataclass
+class Trace:
+    """The planner's record of a round (host data): what it estimated and why, for `observe` and the sink."""
+
+    seconds: float = 0.0  # proposing, wall time
+    lag: int = 0  # columns the draft's cache lacked before it drafted (more than 2: its first forward caught up)
+    plan: RoundPlan | None = None
+    match_sizes: list[int] = field(default_factory=list)  # per row, the n-gram match its retrieval follows
+    unverified: dict[int, list[int]] = field(default_factory=dict)  # row -> a retrieved continuation not verified
+    estimates: list[float] | None = None  # per verified node of one row, P(accepted) as planned
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What verification decided, per active row."""
+
+    num_accepted: torch.Tensor  # [rows] int64
+    emitted: torch.Tensor  # [rows, k + 1]: accepted drafts, the recovered or bonus token, then PAD_TOKEN
+    tokens: list[list[int]]  # per row, the accepted drafts and the extra token (host copy of `emitted`)
+    target_scores: torch.Tensor  # [rows, n, vocab]: processed target scores at the first n positions
+    target_logits: torch.Tensor  # [rows, k + 1, vocab]: raw target logits
+    target_probs: torch.Tensor | None  # [rows, n, vocab]: p at those positions (sampling chains), else None
+    seconds: float  # wall time of the stage
+    path: list[int] | None = None  # trees: the accepted nodes, root first
+    columns: int = 0  # columns the target's forward took in (the whole prompt in the first round)
+
+    @property
+    def accepted(self) -> list[int]:
+        return [len(t) - 1 for t in self.tokens]
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What emission did, per active row."""
+
+    counts: list[int]  # tokens emitted (the verdict's tokens, cut after a stop)
+    finished: list[bool]  # a stopping criterion ended the row
+
+
+def admit(state: DecodeState) -> None:
+    """0. Continuous batching: prompts that are waiting join while the batch has free rows. Each is
+    appended as a left-padded row of the work sequence (the batch is left-padded first if the prompt
+    is longer), and every cache gets a row holding the same columns as the others
+    (`cache.pad_front`, `cache.add_row`); it proposes and is verified from this round on."""
+    requests, batch = state.requests, state.batch
+    prompts = requests.take(requests.max_batch_size - batch.size)
+    if not prompts:
+        return
+    if not batch.size:  # everything finished: start from empty caches
+        batch.clear()
+        clear_caches(state.caches)
+    for prompt in prompts:
+        front = batch.widen(prompt.shape[0], state.pad_token_id)
+        if front:
+            pad_front(state.caches, front)
+        batch.add_row(prompt, requests.max_new_tokens(len(batch.prompts), prompt, state.generation_config), state.pad_token_id)
+        ids, mask = batch.ids[-1:], batch.mask[-1:]
+        add_row(state.model, state.cache, ids, mask)
+        state.drafter.add_row(ids, mask)
+        state.processors.add_row()
+        state.row_stats.append(AcceptanceStats())
+        state.outputs.add_row()
+    state.planner.set_rows(batch.size)
+
+
+def propose(state: DecodeState) -> tuple[Proposal, Trace]:
+    """1. Draft. The planner chooses this round's nodes: retrieved ones, the draft model's (drafted,
+    then priced by their confidences), or none (a plain target step); the sources propose them."""
+    start, batch, planner = state.clock.now(), state.batch, state.planner
+    room = 0 if planner.curve.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
+    draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
+    request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
+                           max(0, min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room)),
+                           batch.host_sequences(), confidences=planner.adaptive)
+    cached = state.drafter.cache.get_seq_length() if state.drafter.cache is not None else batch.width
+    trace = Trace(lag=batch.width - cached)
+    if room <= 0:
+        proposal = Proposal.nothing(batch.size, batch.ids.device)
+    elif state.trees:
+        proposal = _propose_tree(state, request, room, trace)
+    else:
+        proposal = _propose_chains(state, request, room, trace)
+    trace.seconds = state.clock.now() - start
+    return proposal, trace
+
+
+def _lookup_reach(state: DecodeState, tokens: list[int], size: int) -> list[float]:
+    """P(a retrieved chain's tokens 1..i all accepted), at its match size's acceptance."""
+    a, out = state.planner.acceptance.lookup_at(size), []
+    for _ in tokens:
+        out.append(a * (out[-1] if out else 1.0))
+    return out
+
+
+def _draft_reach(state: DecodeState, confidences: list[float]) -> list[float]:
+    """P(drafted tokens 1..i all accepted), from the draft's calibrated confidences."""
+    out = []
+    for c in confidences:
+        out.append(state.planner.acceptance.calibrated(c) * (out[-1] if out else 1.0))
+    return out
+
+
+def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
+    """Chains, for one row or a batch: per row its lookup or the draft model's chain, as the planner
+    says; each row's length its own (verified with per-row lengths, a row of length 0 a plain step)."""
+    planner, rows = state.planner, state.batch.size
+    lookups = state.lookup.match_rows(dataclasses.replace(request, max_tokens=room)) if state.lookup else [([], 0)] * rows
+    trace.match_sizes = [size for _, size in lookups]
+    reach = [_lookup_reach(state, tokens, size) for tokens, size in lookups]
+    trace.plan = plan = planner.plan(reach, request.max_tokens, state.drafter.prefill_tokens(request.ids.shape[1]), room)
+    if not plan.draft:
+        chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
+        trace.unverified = {r: tokens for r, ((tokens, _), chain) in enumerate(zip(lookups, chains)) if tokens and not chain}
+        return _point_masses(chains, request.ids.device) if any(chains) else Proposal.nothing(rows, request.ids.device)
+    chain = state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
+    if chain.confidences is None or not planner.adaptive:  # verified as drafted
+        return chain
+    drafted = [_draft_reach(state, c) for c in chain.confidences]
+    use_lookup = [sum(r) > sum(d) for r, d in zip(reach, drafted)]  # the row's better chain, by expected tokens
+    nodes, _ = planner.best_nodes([r if lookup else d for r, d, lookup in zip(reach, drafted, use_lookup)],
+                                  base=chain.forwards * planner.curve.draft_step)
+    lengths = [len(n) for n in nodes]
+    trace.unverified = {r: tokens for r, (tokens, _) in enumerate(lookups) if tokens and not use_lookup[r]}
+    if not any(use_lookup):
+        return chain.first(lengths)
+    return _mixed(chain, [tokens[:m] if lookup else None for (tokens, _), m, lookup in zip(lookups, lengths, use_lookup)],
+                  lengths)
+
+
+def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:
+    """Retrieved chains (host tokens) as one proposal, each row its own length."""
+    k = max(len(c) for c in chains)
+    tokens = torch.tensor([c + [0] * (k - len(c)) for c in chains], dtype=torch.long, device=device)
+    return Proposal(tokens, None, source=NGRAM, host=chains, sources=[NGRAM if c else NONE for c in chains])
+
+
+def _mixed(chain: Proposal, retrieved: list[list[int] | None], lengths: list[int]) -> Proposal:
+    """A batch round in which some rows verify their lookup (point masses, `retrieved[r]`) and the
+    others the draft model's chain, each cut to its length."""
+    rows, device = len(lengths), chain.tokens.device
+    k = max(lengths + [len(t) for t in retrieved if t is not None])
+    tokens = torch.nn.functional.pad(chain.tokens, (0, max(0, k - chain.num_tokens)))[:, :k].clone()
+    q = None
+    if chain.draft_probs is not None:  # sampled drafts: q per row, one-hot for lookups
+        q = torch.nn.functional.pad(chain.draft_probs, (0, 0, 0, max(0, k - chain.num_tokens)))[:, :k].clone()
+    host, sources = [], []
+    for r in range(rows):
+        row = retrieved[r]
+        if row is None:
+            host.append(chain.host[r][: lengths[r]])
+            sources.append(DRAFT if lengths[r] else NONE)
+            continue
+        ids = torch.tensor(row, dtype=torch.long, device=device)
+        tokens[r, : len(row)] = ids
+        if q is not None:
+            q[r, : len(row)] = torch.nn.functional.one_hot(ids, q.shape[-1]).to(q.dtype)
+        host.append(row)
+        sources.append(NGRAM if row else NONE)
+    return dataclasses.replace(chain, tokens=tokens, draft_probs=q, host=host, sources=sources,
+                               source=DRAFT if DRAFT in sources else NGRAM,
+                               confidences=[c[:m] for c, m in zip(chain.confidences, lengths)], runners_up=None)
+
+
+def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
+    """A tree round (one row, greedy): every distinct retrieved continuation as a trie, verified alone
+    when the planner expects that to beat the draft model; else merged with the draft's chain and its
+    runners-up, and the nodes that pay kept (`Planner.best_nodes`)."""
+    planner, device, most = state.planner, request.ids.device, state.config.tree_max_nodes
+    continuations, size = state.lookup.retrieve(dataclasses.replace(request, max_tokens=room), TREE_BRANCHES)
+    trace.match_sizes = [size]
+    retrieved = Trie()
+    for continuation in continuations:
+        retrieved.insert(continuation, NGRAM, count=True)
+    acceptance = planner.acceptance.lookup_at(size)
+    reach = retrieval_reach(retrieved, acceptance)
+    prefill = state.drafter.prefill_tokens(request.ids.shape[1])
+    trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most)
+    if not plan.draft:
+        keep = plan.nodes[0]
+        if not keep:
+            trace.unverified = {0: continuations[0]} if continuations else {}
+            return Proposal.nothing(1, device)
+        trace.estimates = [reach[j] for j in keep]
+        return tree_proposal(retrieved, keep, None, NGRAM, device)
+    chain = state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
+    if chain.confidences is None or not planner.adaptive:
+        trace.unverified = {0: continuations[0]} if continuations else {}
+        return chain
+    merged = Trie()
+    nodes = merged.insert(chain.host[0], DRAFT, count=False)
+    draft_acceptance = {j: planner.acceptance.calibrated(c) for j, c in enumerate(chain.confidences[0])}
+    # Greedy drafts: the draft's runner-up beside each chain node, accepted when the chain token is not
+    # and the target's choice is the runner-up: estimated as (1 - a) q2 / (1 - q1).
+    siblings = {}
+    for j, (token, prob) in enumerate(chain.runners_up[0] if chain.runners_up else []):
+        node = merged.add(-1 if j == 0 else nodes[j - 1], token, SIBLING)
+        siblings[node] = (1 - draft_acceptance[j]) * min(1.0, prob / max(1e-6, 1 - chain.confidences[0][j]))
+    for continuation in continuations:
+        merged.insert(continuation, NGRAM, count=True)
+    reach = retrieval_reach(merged, acceptance, draft_acceptance, siblings)
+    keep = planner.best_nodes([reach], base=chain.forwards * planner.curve.draft_step, most=most)[0][0]
+    if continuations and not any(merged.origins[j] == NGRAM for j in keep):
+        trace.unverified = {0: continuations[0]}
+    trace.estimates = [reach[j] for j in keep]
+    return tree_proposal(merged, keep, chain, DRAFT, device)
+
+
+def verify(state: DecodeState, proposal: Proposal) -> Verdict:
+    """2. One target forward over the pending column(s) and the k drafts; p at each position with
+    that row's own prefix; then the rule per row: greedy accepts while the argmaxes agree, sampling
+    applies the rejection rule with p computed only as far as some row still needs it (on a CPU)."""
+    if proposal.tree is not None:
+        return _verify_tree(state, proposal)
+    start, batch, drafts = state.clock.now(), state.batch, proposal.tokens  # drafts: [rows, k]
+    k = proposal.num_tokens
+    lengths = None
+    if proposal.host is not None and any(len(h) != k for h in proposal.host):
+        lengths = torch.tensor([len(h) for h in proposal.host], device=drafts.device)
+    ids = torch.cat([batch.ids, drafts], dim=1)  # [rows, seq + k]
+    mask = None if batch.mask is None else torch.nn.functional.pad(batch.mask, (0, k), value=1)
+    columns = ids.shape[1] - state.cache.get_seq_length()
+    logits = extend(state.model, state.cache, ids, mask, num_logits=k + 1)  # [rows, k + 1, vocab]
+    prefixes, scores = batch.prefixes(), []
+    if state.generation_config.do_sample:
+
+        def target_probs_at(first: int, stop: int) -> torch.Tensor:  # [rows, stop - first, vocab]
+            scores.append(state.processors.positions(prefixes, drafts, logits[:, first:stop], first))
+            return logits_to_probs(scores[-1])
+
+        num_accepted, emitted, target_probs = lazy_speculative_sampling(
+            drafts, proposal.draft_probs, target_probs_at, state.generator, lengths=lengths
+        )
+    else:
+        scores.append(state.processors.positions(prefixes, drafts, logits))  # [rows, k + 1, vocab]
+        num_accepted, emitted = greedy_verification(drafts, scores[0], lengths=lengths)
+        target_probs = None
+    host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the verdict's one device read
+    tokens = [row[1 : row[0] + 2] for row in host]
+    target_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)  # [rows, n, vocab]
+    return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start,
+                   columns=columns)
+
+
+def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
+    """2 (trees, one row, greedy). One target forward over the pending token(s) and every node, each
+    node seeing only its ancestors; the processed scores at every node (its own branch as the
+    processors' prefix), their argmaxes read in one copy, and the walk on the host."""
+    start, batch, tree = state.clock.now(), state.batch, proposal.tree
+    tokens = proposal.host_tokens()[0]
+    columns = batch.ids.shape[1] - state.cache.get_seq_length() + len(tokens)
+    logits = extend_tree(state.model, state.cache, batch.ids, proposal.tokens, ancestors_mask(tree.parents),
+                         depths(tree.parents))[0]  # [n + 1, vocab]: after the last real token, then after each node
+    prefixes = batch.prefixes()
+    scores = []
+    for node in range(-1, len(tokens)):
+        branch = torch.tensor([path_tokens(tokens, tree.parents, node)], dtype=torch.long, device=logits.device)
+        scores.append(state.processors.scores(prefixes, branch, logits[node + 1][None])[0])
+    scores = torch.stack(scores)  # [n + 1, vocab]
+    argmax = scores.argmax(dim=-1).tolist()  # the verdict's one device read
+    path, extra = greedy_tree_verification(tokens, tree.parents, lambda node: argmax[node + 1])
+    walk = [n + 1 for n in [-1] + path]
+    emitted = [tokens[j] for j in path] + [extra]
+    return Verdict(
+        num_accepted=torch.tensor([len(path)], device=logits.device),
+        emitted=torch.tensor([emitted], dtype=torch.long, device=logits.device), tokens=[emitted],
+        target_scores=scores[walk][None], target_logits=logits[walk][None],
+        target_probs=None, seconds=state.clock.now() - start, path=path, columns=columns,
+    )
+
+
+def commit(state: DecodeState, proposal: Proposal, verdict: Verdict) -> None:
+    """3. Both caches keep the draft columns some row accepted (in the other rows they become masked
+    holes) and drop the rest; the work sequence grows by those columns and each row's extra token.
+    After a tree, the target's cache keeps the accepted branch's columns, the draft's the part of its
+    own chain that was accepted."""
+    accepted = verdict.accepted
+    m = max(accepted)
+    rows = torch.arange(state.batch.size, device=verdict.emitted.device)
+    extra = verdict.emitted[rows, verdict.num_accepted]  # [rows]: each row's recovered or bonus token
+    if proposal.tree is not None:
+        keep_path(state.cache, state.batch.width, verdict.path, proposal.num_tokens)
+        rollback([state.drafter.cache], state.batch.width + proposal.tree.chain_accepted(verdict.path))
+        state.batch.append_round(verdict.emitted[:, :m], verdict.num_accepted, extra, accepted)
+    else:
+        rollback([state.cache], state.batch.width + m)
+        # Rows that proposed a lookup hold the draft's tokens in the draft's cache, not theirs: the
+        # draft re-reads the round's accepted tokens next time it runs.
+        mixed = proposal.sources is not None and proposal.forwards > 0 and NGRAM in proposal.sources
+        rollback([state.drafter.cache], state.batch.width + (0 if mixed else m))
+        state.batch.append_round(proposal.tokens[:, :m], verdict.num_accepted, extra, accepted)
+    state.drafter.update(state.batch.ids, verdict.target_scores, m)
+
+
+def emit(state: DecodeState, verdict: Verdict) -> Emission:
+    """4. Each row's tokens are checked against the stopping criteria one prefix at a time (all rows'
+    answers read in one copy), so that a stop inside the block (EOS, max_length, a user criterion)
+    ends the row exactly there; then they go to the streamer and, when asked for, to the output
+    scores and logits."""
+    answers, failed = _criteria(state, verdict)
+    done = torch.stack(answers).tolist() if answers else []  # the criteria's one device read
+    counts, finished = [], []
+    for i, row in enumerate(state.batch.rows):
+        tokens, left = verdict.tokens[i], state.batch.left(i)
+        count, stopped = len(tokens), i in failed
+        for j in range(len(tokens)):
+            if j + 1 >= left or (not stopped and done[i * verdict.emitted.shape[1] + j]):
+                count, stopped = j + 1, True
+                break
+        if i in failed:
+            count = 0
+            state.requests.fail(row, failed[i])
+        state.batch.record(i, tokens[:count])
+        state.outputs.add(row, verdict.target_scores[i, :count], verdict.target_logits[i, :count])
+        if state.streamer is not None:
+            state.streamer.put(torch.tensor(tokens[:count]))
+        counts.append(count)
+        finished.append(stopped)
+    return Emission(counts, finished)
+
+
+def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor], dict[int, Exception]]:
+    """Per row and emitted-token slot, whether the stopping criteria stop after that token (device
+    bools, `emitted.shape[1]` slots a row, padded with False), and the rows whose criterion raised
+    (continuous batching: that request fails alone; otherwise the error propagates)."""
+    answers, failed, slots = [], {}, verdict.emitted.shape[1]
+    no = torch.zeros((), dtype=torch.bool, device=verdict.emitted.device)
+    for i, tokens in enumerate(verdict.tokens):
+        row = []
+        try:
+            before = state.batch.real_sequence(i)  # [1, len]
+            sequence = torch.cat([before, verdict.emitted[i : i + 1, : len(tokens)]], dim=1)
+            for j in range(len(tokens)):
+                stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
+                row.append(stop.all() if isinstance(stop, torch.Tensor) else torch.tensor(bool(stop), device=no.device))
+        except Exception as error:
+            if state.requests is None:
+                raise
+            failed[i], row = error, []
+        answers.extend(row + [no] * (slots - len(row)))
+    return answers, failed
+
+
+def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdict, emission: Emission) -> None:
+    """5. Statistics for the batch and each row, one record per row for the sink, and the planner."""
+    accepted = verdict.accepted
+    for i, row in enumerate(state.batch.rows):
+        length = proposal.length(i)
+        for counters in (state.stats, state.row_stats[row]):
+            counters.record(length, accepted[i], emission.counts[i])
+        state.row_stats[row].rounds += 1
+        if state.write_record is not None:
+            state.write_record(_record(state, proposal, trace, verdict, emission, i, row))
+    state.stats.count_round(proposal.source, proposal.forwards, trace.seconds, verdict.seconds)
+    timed = proposal.forwards if trace.lag <= 2 else 0  # a first forward that caught up (or encoded the prompt) is no step
+    state.planner.curve.observe(proposal.num_tokens + 1, verdict.seconds, timed, trace.seconds, verdict.columns)
+    if proposal.tree is not None:
+        _observe_tree(state, proposal, trace, verdict)
+    else:
+        _observe_chains(state, proposal, trace, accepted)
+    for r, continuation in trace.unverified.items():
+        state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
+                                                  trace.match_sizes[r] if trace.match_sizes else None)
+
+
+def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:
+    """The planner learns from each row's chain: the draft model's rows, and the lookups."""
+    planner, drafted = state.planner, []
+    for i in range(len(accepted)):
+        source, length = proposal.source_of(i), proposal.length(i)
+        if source == NGRAM:
+            for j in range(min(accepted[i] + 1, length)):
+                planner.acceptance.observe_lookup(trace.match_sizes[i] if trace.match_sizes else None, j < accepted[i])
+        elif source not in (NONE,) and length:
+            drafted.append(i)
+    if not drafted:
+        planner.observe_without_draft()
+        return
+    confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in drafted]
+    planner.observe_draft([proposal.length(i) for i in drafted], [accepted[i] for i in drafted],
+                          [accepted[i] > 0 for i in drafted], confidences, probe=bool(trace.plan and trace.plan.probe))
+
+
+def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdict) -> None:
+    """A tree round: the draft chain is scored as a draft round, its first forward counted as paid
+    when the walk took its token or the runner-up beside it; each retrieval event scores retrieval."""
+    tree, path, planner = proposal.tree, verdict.path, state.planner
+    if tree.chain:
+        confidences = None if proposal.confidences is None else [proposal.confidences[0][: tree.chain]]
+        planner.observe_draft([tree.chain], [tree.chain_accepted(path)], [bool(path) and tree.from_draft(path[0])],
+                              confidences, probe=bool(trace.plan and trace.plan.probe))
+    else:
+        planner.observe_without_draft()
+    for _, hit in tree.retrieval_events(path):
+        planner.acceptance.observe_lookup(trace.match_sizes[0] if trace.match_sizes else None, hit)
+
+
+def retire(state: DecodeState, finished: list[bool]) -> None:
+    """6. Finished rows leave the batch and both caches; holes are compacted away once they pile up."""
+    if state.requests is not None:
+        for i, done in enumerate(finished):
+            if done:
+                row = state.batch.rows[i]
+                state.requests.finished(row, state.batch.prompts[row], state.batch.generated[row], state.row_stats[row])
+    if any(finished):
+        ending = state.requests is None and all(finished)  # the call ends: caches are left for `_finish`
+        state.batch.select([i for i, done in enumerate(finished) if not done], () if ending else state.caches)
+        if state.batch.size:
+            state.planner.set_rows(state.batch.size)
+    if state.batch.should_compact(state.caches):
+        state.batch.compact(state.caches)
+
+
+def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdict, emission: Emission,
+            i: int, row: int) -> RoundRecord:
+    """Active row i's record of the round, for the acceptance sink."""
+    accepted = verdict.accepted[i]
+    return RoundRecord(
+        round=state.stats.rounds, row=row, draft_tokens=proposal.host_tokens()[i][: proposal.length(i)],
+        num_accepted=accepted, emitted_tokens=verdict.tokens[i][: emission.counts[i]],
+        expected_acceptance=_expected_acceptance(proposal, verdict, i),
+        draft_seconds=trace.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
+        parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
+        accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
+        cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
+    )
+
+
+def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | None) -> str:
+    """The source(s) of a row's accepted tokens: the proposal's source, or for a tree the draft model
+    (its chain and its runners-up) and/or retrieval along the accepted path."""
+    if not accepted:
+        return ""
+    if proposal.tree is None:
+        return proposal.source_of(i)
+    sources = {DRAFT if proposal.tree.from_draft(j) else NGRAM for j in path}
+    return f"{DRAFT}+{NGRAM}" if len(sources) == 2 else sources.pop()
+
+
+def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[float] | None:
+    """P(accept) = sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling
+    only; p(x) for a point mass), at the positions whose p was computed."""
+    if verdict.target_probs is None or proposal.tree is not None:
+        return None
+    n = min(proposal.length(i), verdict.target_probs.shape[1])
+    target_probs = verdict.target_probs[i, :n]  # [n, vocab]
+    if proposal.draft_probs is None:
+        return target_probs.gather(-1, proposal.tokens[i, :n, None])[:, 0].tolist()
+    return torch.minimum(target_probs, proposal.draft_probs[i, :n]).sum(-1).tolist()

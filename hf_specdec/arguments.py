@@ -195,9 +195,22 @@ _HANDLED_MODEL_INPUTS = frozenset({
 })
 
 
+# Settings of earlier versions: named with what replaced them, not mistaken for model inputs.
+REMOVED_SETTINGS = {
+    **{name: "pin prices with costs=hf_specdec.Costs(draft_step=..., verify=..., draft_prefill=...)"
+       for name in ("draft_cost", "verify_cost", "verify_knee_cost", "verify_curve", "draft_prefill_cost", "price_by_width")},
+    **{name: "the planner has no such lever any more (docs/design.md)"
+       for name in ("prefill_patience", "ngram_depths", "ngram_max_tokens", "ngram_match_cap", "tree_max_branches")},
+    "draft_vocab_size": "the reduced-vocabulary draft head was removed (it did not pay on the standard preset)",
+}
+
+
 def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
     """Clear errors for forward inputs the loop would otherwise drop (plain generate() passes them to
     every forward, so dropping them would silently change the output)."""
+    for name in model_kwargs:
+        if name in REMOVED_SETTINGS:
+            raise ValueError(f"{name} is no longer an hf_specdec setting: {REMOVED_SETTINGS[name]}")
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec starts from input_ids (both models read the same token ids); "
                          "inputs_embeds is not supported: pass the prompt as input_ids.")

@@ -98,6 +98,9 @@ class CostCurve:
         return t1, min(1.0, max(0.0, slope / t1))
 
     def step_seconds(self) -> float | None:
+        """A one-token forward's seconds: its own running mean once timed, else the line's intercept."""
+        if self.seen.get((self.rows, 1), 0) >= TIMED:
+            return self.seconds[self.rows, 1]
         line = self._line()
         return None if line is None else line[0]
 
@@ -110,7 +113,7 @@ class CostCurve:
             slope = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
             return 1.0 + slope * (width - 1)
         if self.seen.get((self.rows, width), 0) >= TIMED:
-            return self.seconds[self.rows, width] / line[0]
+            return self.seconds[self.rows, width] / self.step_seconds()
         return 1.0 + line[1] * (width - 1)
 
     @property
@@ -241,6 +244,11 @@ class Planner:
     @property
     def rows(self) -> int:
         return self.curve.rows
+
+    @property
+    def measuring(self) -> bool:
+        """The round must be a plain step: the curve is measuring d0 (and decisions depend on it)."""
+        return self.adaptive and self.curve.measuring
 
     def set_rows(self, rows: int) -> None:
         """The batch now has `rows` rows (finished rows left, or prompts joined): prices follow."""

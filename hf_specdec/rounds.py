@@ -107,7 +107,7 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     """1. Draft. The planner chooses this round's nodes: retrieved ones, the draft model's (drafted,
     then priced by their confidences), or none (a plain target step); the sources propose them."""
     start, batch, planner = state.clock.now(), state.batch, state.planner
-    room = 0 if planner.curve.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
+    room = 0 if planner.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max(0, min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room)),

@@ -167,12 +167,8 @@ def extend(
     input_ids: torch.Tensor,  # [batch, seq]: the whole sequence so far; the cache holds a prefix of it
     attention_mask: torch.Tensor | None,  # [batch, seq] (1 = real token), or None when nothing is padded
     num_logits: int,  # how many trailing positions need logits
-    head: Callable[[torch.Tensor], torch.Tensor] | None = None,  # hidden [.., hidden] -> logits [.., vocab]
 ) -> torch.Tensor:  # [batch, num_logits, vocab]: raw logits of the last num_logits positions
-    """Run `model` over the tokens of `input_ids` that `cache` has not seen, growing the cache.
-
-    With `head`, the model's decoder (`model.get_decoder()`) runs and `head` turns its last hidden
-    states into logits instead of the model's own output layer (a reduced-vocabulary draft head)."""
+    """Run `model` over the tokens of `input_ids` that `cache` has not seen, growing the cache."""
     past = cache.get_seq_length()
     new_ids = input_ids[:, past:]  # [batch, seq - past]
     if new_ids.shape[1] < num_logits:
@@ -181,12 +177,6 @@ def extend(
     if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
-    if head is not None:
-        hidden = model.get_decoder()(
-            input_ids=new_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
-            use_cache=True, return_dict=True,
-        ).last_hidden_state
-        return head(hidden[:, -num_logits:])
     kwargs = {"logits_to_keep": num_logits} if _accepts_logits_to_keep(type(model)) else {}
     out = model(
         input_ids=new_ids,

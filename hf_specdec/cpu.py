@@ -86,9 +86,6 @@ class PackedLinear(nn.Module):
     def __init__(self, linear: nn.Linear):
         super().__init__()
         self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
-        # The same rows dense, for `select_outputs` (set by `pack_linears`): a tied head's input
-        # embedding, or with keep_head_rows=True the head's weight as loaded. Not a buffer: not ours to save.
-        self.dense_rows: torch.Tensor | None = None
         # An int8 weight-only copy for inputs of at most `decode_rows` rows (`pack_linears(decode_bits=8)`).
         self.decode: WeightOnlyLinear | None = None
         self.decode_rows = DECODE_ROWS
@@ -99,24 +96,6 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.float32).contiguous(), None)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self.weight = torch.empty(self.out_features, self.in_features, device="meta")  # shape only
-
-    def select_outputs(self, index: torch.Tensor) -> "PackedLinear":
-        """A packed layer computing only the outputs `index` (1-D ids into out_features): a draft's
-        reduced-vocabulary head. Needs the dense rows, which a tied head has in its input embedding; an
-        untied packed head is refused (the packed layout cannot be sliced)."""
-        if self.dense_rows is None:
-            raise ValueError(
-                "this packed layer cannot be restricted to a subset of its outputs: its dense weight is gone "
-                "(pack the draft with pack_linears(draft, keep_head_rows=True), or leave draft_vocab_size unset)"
-            )
-        layer = PackedLinear.__new__(PackedLinear)
-        nn.Module.__init__(layer)
-        index = index.to(self.dense_rows.device)
-        layer._pack(self.dense_rows[index], None if self.bias is None else self.bias[index])
-        layer.dense_rows = None
-        layer.decode = None if self.decode is None else self.decode.select_outputs(index)
-        layer.decode_rows = self.decode_rows
-        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -135,7 +114,7 @@ class PackedLinear(nn.Module):
         memo[id(self)] = new
         nn.Module.__init__(new)
         new.in_features, new.out_features = self.in_features, self.out_features
-        new.packed, new.weight, new.dense_rows = self.packed, self.weight, self.dense_rows
+        new.packed, new.weight = self.packed, self.weight
         new.register_buffer("bias", None if self.bias is None else self.bias.clone())
         new.decode, new.decode_rows = self.decode, self.decode_rows  # shared too: never written
         return new
@@ -147,7 +126,7 @@ class PackedLinear(nn.Module):
 
 
 @torch.no_grad()
-def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: int | None = None) -> nn.Module:
+def pack_linears(model: nn.Module, decode_bits: int | None = None) -> nn.Module:
     """Cast `model` to float32 and replace, in place, every `torch.nn.Linear` by a `PackedLinear`;
     return `model`. Raises ValueError where torch cannot pack here (no oneDNN, ops missing), for a model
     off the CPU, and for a model sharing its weights with another (`early_exit_draft`).
@@ -156,11 +135,7 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: in
     from the weight as given) that inputs of at most `DECODE_ROWS` rows take: a draft's one-token steps
     at int8's price, its prompt encoding and catch-ups at the packed price (module docstring). None
     (the default): packed weights only. For drafts: a target's outputs would change with the copy.
-
-    keep_head_rows: for a draft whose head will be restricted to a vocabulary subset
-    (`draft_vocab_size`), keep the output head's weight as loaded beside its packed copy (the packed
-    layout cannot be sliced): 272 MB in bf16 for the 0.5B draft's 152k x 896 head. A head tied to the
-    input embedding needs nothing kept (the embedding holds its rows) and can always be restricted."""
+"""
     problem = packing_problem()
     if problem:
         raise ValueError(problem)
@@ -177,8 +152,6 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: in
             "hf_specdec.early_exit_draft): packing it in place would change that model's layers too"
         )
     head_name, _ = _tied_head(model)
-    output = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    kept = output.weight.detach() if keep_head_rows and head_name is None and type(output) is nn.Linear else None
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
     # One layer at a time, holding no reference to the replaced ones: the peak is the model as given
     # plus the packed weights, not a float32 copy of every layer on top (12 GB for the 1.5B target).
@@ -196,10 +169,6 @@ def pack_linears(model: nn.Module, keep_head_rows: bool = False, decode_bits: in
         model.get_submodule(name).decode = layer
     if head_name in names:
         _untie_config(model)  # the head has its own packed copy now; a later tie_weights() must not re-tie
-        # the embedding holds the head's rows in float32: a reduced-vocabulary draft head slices them
-        model.get_submodule(head_name).dense_rows = model.get_input_embeddings().weight.detach()
-    elif kept is not None:
-        model.get_output_embeddings().dense_rows = kept  # as loaded (bf16 -> float32 is exact when sliced)
     logger.info("packed %d Linear layers as float32 for oneDNN%s", len(names), " with int8 decode copies" if decode else "")
     return model
 

@@ -40,7 +40,7 @@ Pure Python, no torch: the loop hands the planner host numbers only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .config import PREFILL_RATIO, Costs
 
@@ -296,6 +296,31 @@ class Planner:
             drafted = max(1.0, remaining * rows * (1 - share))
             best_rate = drafted / (drafted / best_rate + self.curve.prefill(prefill))
         return best, best_rate
+
+    def stop_rule(self, most: int) -> Callable[[list[float]], bool]:
+        """A fresh `keep_drafting(confidences)` for one round, where reading each drafted token's
+        confidence costs nothing (the CPU): after each token, given per row the draft's probability of
+        it, whether to draft another, looking no further than `most` tokens. It drafts on while
+        stopping at some later length (each further token reaching as `Acceptance.draft` says) beats
+        stopping now, for the batch as a whole (tokens summed over rows, per unit of its cost)."""
+        c, price, alpha = self.curve.draft_step, self.curve.verify_price, self.acceptance.draft
+        reach: list[float] = []  # per row, P(its drafted tokens so far are all accepted)
+        tokens, j = 0.0, 0  # the batch's expected tokens so far; tokens drafted
+
+        def keep_drafting(confidences: list[float]) -> bool:
+            nonlocal tokens, j
+            calibrated = [self.acceptance.calibrated(x) for x in confidences]
+            reach[:] = [r * q for r, q in zip(reach, calibrated)] if reach else calibrated
+            tokens, j = (tokens or len(reach)) + sum(reach), j + 1  # each row also emits one token of the target's
+            now, tail, gain = tokens / (j * c + price(j + 1)), sum(reach), 0.0
+            for later in range(j + 1, most + 1):
+                tail *= alpha[later - 1]
+                gain += tail
+                if (tokens + gain) / (later * c + price(later + 1)) > now:
+                    return True
+            return False
+
+        return keep_drafting
 
     def plan(self, retrieved: list[list[float]], draft_room: int, prefill: int = 0, remaining: int = 0,
              most: int | None = None) -> RoundPlan:

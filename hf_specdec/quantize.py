@@ -159,26 +159,6 @@ class WeightOnlyLinear(nn.Module):
         return out.reshape(*shape[:-1], self.out_features)
 
     @torch.no_grad()
-    def select_outputs(self, index: torch.Tensor) -> nn.Module:
-        """A layer computing only the outputs `index` (1-D, ids into out_features): int8 keeps its
-        integer rows and scales (the same per-row arithmetic), int4 (whose packed layout and
-        out_features % 16 rule do not allow slicing) becomes a dense Linear of its dequantised rows.
-        Used for a reduced-vocabulary draft head over a quantized output layer."""
-        index = index.to(self.qweight.device)
-        if self.bits == 8:
-            layer = WeightOnlyLinear(self.in_features, index.numel(), 8, self.group_size, self.compute_dtype)
-            layer.register_buffer("qweight", self.qweight[index].contiguous())
-            layer.register_buffer("scales", self.scales[index].contiguous())
-            if self.bias is not None:
-                layer.bias = self.bias[index].clone()
-            return layer
-        layer = nn.Linear(self.in_features, index.numel(), bias=self.bias is not None, dtype=self.compute_dtype, device=self.qweight.device)
-        layer.weight.data.copy_(self.dequantize()[index])
-        if self.bias is not None:
-            layer.bias.data.copy_(self.bias[index])
-        return layer.requires_grad_(False)
-
-    @torch.no_grad()
     def dequantize(self) -> torch.Tensor:
         """The weight the kernel effectively uses, [out, in], in the compute dtype (for tests and debugging)."""
         if self.bits == 8:

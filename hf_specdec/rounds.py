@@ -30,7 +30,7 @@ from .proposals import DraftRequest, Proposal
 from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
 from .sampling import logits_to_probs
 from .stats import DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
-from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, reads_are_free
 
 if TYPE_CHECKING:
     from .generate import DecodeState
@@ -152,7 +152,7 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
         trace.unverified = {r: tokens for r, ((tokens, _), chain) in enumerate(zip(lookups, chains)) if tokens and not chain}
         return _point_masses(chains, request.ids.device) if any(chains) else Proposal.nothing(rows, request.ids.device)
-    chain = state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
+    chain = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:  # verified as drafted
         return chain
     drafted = [_draft_reach(state, c) for c in chain.confidences]
@@ -165,6 +165,15 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         return chain.first(lengths)
     return _mixed(chain, [tokens[:m] if lookup else None for (tokens, _), m, lookup in zip(lookups, lengths, use_lookup)],
                   lengths)
+
+
+def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> Proposal:
+    """The draft model's chain: where reading the device is free (the CPU), drafted token by token
+    while the planner's stop rule says the next one pays; elsewhere the planned length, read once."""
+    if state.planner.adaptive and not plan.probe and reads_are_free(request.ids.device):
+        stop = state.planner.stop_rule(request.max_tokens)
+        return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop))
+    return state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
 
 
 def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:
@@ -222,7 +231,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
             return Proposal.nothing(1, device)
         trace.estimates = [reach[j] for j in keep]
         return tree_proposal(retrieved, keep, None, NGRAM, device)
-    chain = state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
+    chain = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:
         trace.unverified = {0: continuations[0]} if continuations else {}
         return chain

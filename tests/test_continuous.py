@@ -45,7 +45,7 @@ class JoinSpy:
 
 @pytest.mark.parametrize("levers", [
     {"adaptive": False, "ngram": False, "num_draft_tokens": 3},
-    {"draft_cost": 0.05, "verify_cost": 0.03},  # the defaults (cost model, per-row lookup), costs pinned
+    {"costs": hf_specdec.Costs(draft_step=0.05, verify=0.03)},  # the defaults (planner, per-row lookup), costs pinned
 ], ids=["fixed-k", "per-row-sources"])
 def test_stream_greedy_equals_plain_greedy_per_prompt(arch, levers, monkeypatch):
     prompts = random_prompts(12, seed=1)
@@ -74,7 +74,7 @@ def test_stream_greedy_equals_plain_greedy_per_prompt(arch, levers, monkeypatch)
     for record in records:
         rows_per_round[record.round] = rows_per_round.get(record.round, 0) + 1
     assert max(rows_per_round.values()) == 3  # the batch is kept full, never above max_batch_size
-    if "draft_cost" in levers:
+    if "costs" in levers:
         assert {"draft", "none"} <= {r.source for r in records}, "rows should mix sources"
 
 

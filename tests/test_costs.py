@@ -49,22 +49,14 @@ def test_a_record_priced_by_hand_equals_the_code():
 
 def test_pinned_costs_and_drift_from_the_table():
     table = hand_table()
-    pins = table.pinned_costs(100)
-    assert pins["draft_cost"] == pytest.approx(0.1)
-    assert pins["verify_cost"] == pytest.approx(0.1)  # 0.1 s per extra token over a 1 s step
-    assert pins["verify_knee_cost"] == 0.0  # nothing measured past 9 tokens
+    costs = table.pinned_costs(100)["costs"]
+    assert costs.draft_step == pytest.approx(0.1)
     # every width's price up to the widest measured, over the step (interpolated between grid widths)
-    assert pins["verify_curve"] == pytest.approx([1.0 + 0.1 * (w - 1) for w in range(1, 10)])
-    assert pins["draft_prefill_cost"] == pytest.approx(0.1 / 100 / 1.0)  # the draft's 100-token prefill per token
+    assert costs.verify == pytest.approx([1.0 + 0.1 * (w - 1) for w in range(1, 10)])  # 0.1 s a token over a 1 s step
+    assert costs.draft_prefill == pytest.approx(0.1 / 100 / 1.0)  # the draft's 100-token prefill per token
     dip = hand_table()
     dip.forwards["target"][0][1] = 0.8  # 3 tokens cheaper than 1 at context 100: the curve shows it
-    assert dip.pinned_costs(100)["verify_curve"][:3] == pytest.approx([1.0, 0.9, 0.8])
-    wide = hand_table()
-    wide.widths.append(17)
-    for row in wide.forwards["target"]:
-        row.append(row[-1] + 8 * 0.3 * row[0])  # 0.3 steps per token past 9: e = 0.3 - d = 0.2
-    assert wide.pinned_costs(100)["verify_knee_cost"] == pytest.approx(0.2)
-    assert wide.pinned_costs(100)["verify_cost"] == pytest.approx(0.1)
+    assert dip.pinned_costs(100)["costs"].verify[:3] == pytest.approx([1.0, 0.9, 0.8])
     other = hand_table()
     other.forwards["target"][1][2] *= 1.25
     assert table.drift(other) == pytest.approx(0.25)

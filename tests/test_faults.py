@@ -28,7 +28,7 @@ from hf_specdec.batch import COMPACT_MIN_HOLES
 from hf_specdec.continuous import StreamError
 
 ROOT = Path(__file__).resolve().parents[1]
-PINNED = dict(draft_cost=0.05, verify_cost=0.03)  # the cost model on, reading no clock
+PINNED = dict(costs=hf_specdec.Costs(draft_step=0.05, verify=0.03))  # the cost model on, reading no clock
 
 
 @pytest.fixture(scope="module")
@@ -292,7 +292,7 @@ def test_a_draft_with_a_short_context_bounds_drafting(models, levers, prompt_len
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
                           **levers)
     assert torch.equal(out.sequences[0, len(prompt):], plain(target, prompt, max_new_tokens=60))
-    if levers.get("adaptive") is False or "draft_cost" in levers:  # the draft is used while it has room
+    if levers.get("adaptive") is False or "costs" in levers:  # the draft is used while it has room
         assert out.acceptance.drafted > 0
 
 
@@ -372,7 +372,7 @@ def test_spec_streamer_and_the_directory_form_stream_every_token(models):
 
 @pytest.mark.parametrize("kwargs, name", [
     (dict(num_draft_tokens=True), "num_draft_tokens"), (dict(num_draft_tokens=2.0), "num_draft_tokens"),
-    (dict(adaptive=1), "adaptive"), (dict(ngram="no"), "ngram"), (dict(draft_cost=float("nan")), "draft_cost"),
+    (dict(adaptive=1), "adaptive"), (dict(ngram="no"), "ngram"), (dict(costs=float("nan")), "costs"),
     (dict(draft_window=True), "draft_window"), (dict(draft_temperature=0), "draft_temperature"),
     (dict(generator=0), "generator"), (dict(acceptance_sink=3), "acceptance_sink"),
     (dict(spec_streamer=object()), "spec_streamer"), (dict(speculative_config={"num_draft_tokens": 2}), "speculative_config"),

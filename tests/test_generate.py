@@ -338,7 +338,7 @@ def test_a_single_rows_cache_continues_like_plain_generates(tree):
     prompt = torch.tensor([[1, 5, 2, 7, 1, 5, 2, 7, 1, 5]])
     plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
     levers = dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False, tree=tree, ngram=True,
-                  draft_cost=0.05, verify_cost=0.02)
+                  costs=hf_specdec.Costs(draft_step=0.05, verify=0.02))
     for first in (7, 12):
         out = target.generate(prompt, max_new_tokens=first, return_dict_in_generate=True, **levers)
         assert out.cache.get_seq_length() == out.sequences.shape[1] - 1

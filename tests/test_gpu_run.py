@@ -39,9 +39,8 @@ def test_the_handwritten_regime_is_flat_to_64_tokens_with_a_draft_at_0_6():
     step = table.forward("target", 1, 256)
     assert all(table.forward("target", w, c) == pytest.approx(step) for w in (1, 9, 33, 64) for c in (64, 1024))
     assert table.forward("target", 128, 256) > step
-    pins = table.pinned_costs(200, "hf", 64)
-    assert pins["draft_cost"] == pytest.approx(0.6) and pins["verify_cost"] == pytest.approx(0.0)
-    assert pins["verify_curve"][:64] == tuple([1.0] * 64)
+    costs = table.pinned_costs(200, "hf", 64)["costs"]
+    assert costs.draft_step == pytest.approx(0.6) and costs.verify[:64] == tuple([1.0] * 64)
 
 
 def test_replay_summary_prices_every_method_with_one_table():

@@ -20,6 +20,7 @@ import transformers
 
 import hf_specdec
 import hf_specdec.generate as generate_module
+import hf_specdec.rounds
 import hf_specdec.sampling
 import hf_specdec.verify
 from conftest import perturbed, tiny_model
@@ -33,6 +34,7 @@ def reads_per_round(monkeypatch, call) -> tuple[list[int], list[int]]:
     """(hf_specdec's reads in each round, everyone's reads in each round) during `call()`."""
     monkeypatch.setattr(hf_specdec.verify, "reads_are_free", lambda device: False)
     monkeypatch.setattr(hf_specdec.sampling, "reads_are_free", lambda device: False)
+    monkeypatch.setattr(hf_specdec.rounds, "reads_are_free", lambda device: False)
     ours, everyone, start = [0], [0], [0, 0]
     own_rounds, all_rounds = [], []
 

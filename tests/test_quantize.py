@@ -126,35 +126,6 @@ def test_quantized_draft_keeps_greedy_speculative_output(bits):
     assert torch.equal(spec, plain)
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_reduced_vocabulary_head_over_a_quantized_head(bits):
-    """draft_vocab_size with a quantized draft (the CLI's and the eval's default): the subset head
-    gives the quantized head's logits on the subset and -inf elsewhere (it used to fail inside
-    index_copy on the head's shape-only weight), and greedy speculative output stays plain greedy."""
-    from hf_specdec.proposals.draft_model import VocabularySubsetHead
-
-    draft = quantize_weights(tiny_model("qwen2", seed=0), bits, group_size=GROUP)
-    subset = torch.tensor([40, 3, 17, 3, 0, 63])
-    head = VocabularySubsetHead(draft.lm_head, subset, 64)
-    hidden = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(2))
-    full, got = draft.lm_head(hidden), head(hidden)
-    inside = torch.zeros(64, dtype=torch.bool)
-    inside[subset] = True
-    assert got.shape == full.shape
-    torch.testing.assert_close(got[..., inside], full[..., inside], rtol=1e-5, atol=1e-5)
-    assert torch.isneginf(got[..., ~inside]).all()
-
-    target = tiny_model("qwen2", seed=0)
-    prompt = torch.tensor([[1, 5, 2, 7]])
-    plain = target.generate(prompt, do_sample=False, max_new_tokens=12)
-    records = []
-    spec = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
-                           max_new_tokens=12, draft_vocab_size=8, acceptance_sink=records.append, ngram=False)
-    assert torch.equal(spec, plain)
-    drafted = [t for r in records if r.source == "draft" for t in r.draft_tokens]
-    assert drafted and all(t < 8 or t in (1, 5, 2, 7) for t in drafted)  # only the subset is proposed
-
-
 @pytest.mark.parametrize("bits", [0, 2, 3, 32, "8"])
 def test_bad_bits_raise(bits):
     with pytest.raises(ValueError, match=f"bits={bits!r}"):

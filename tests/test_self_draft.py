@@ -64,7 +64,7 @@ def test_greedy_identity_with_a_self_draft(arch):
     records = []
     out = target.generate(
         prompt, max_new_tokens=40, do_sample=False, custom_generate=hf_specdec.speculative_generate,
-        assistant=hf_specdec.early_exit_draft(target, 2), ngram=False, draft_cost=0.1, verify_cost=0.03,
+        assistant=hf_specdec.early_exit_draft(target, 2), ngram=False, costs=hf_specdec.Costs(draft_step=0.1, verify=0.03),
         acceptance_sink=records.append,
     )
     assert torch.equal(out, plain)

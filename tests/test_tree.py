@@ -7,16 +7,17 @@ import pytest
 import torch
 
 import hf_specdec
-from conftest import chi_square_against, perturbed, tiny_model
+from conftest import perturbed, tiny_model
 from hf_specdec.cache import extend_tree, keep_path, new_cache
-from hf_specdec.policy import DraftPolicy, PolicySettings
+from hf_specdec import Costs
+from hf_specdec.planner import Planner
 from hf_specdec.proposals.base import Tree
 from hf_specdec.proposals.tree import (
     Trie, ancestors_mask, depths, longest_matches, match_bucket, match_length, ngram_continuations, path_tokens,
     retrieval_reach, retrieve,
 )
 from hf_specdec.stats import DRAFT, NGRAM
-from hf_specdec.verify import greedy_tree_verification, tree_speculative_sampling
+from hf_specdec.verify import greedy_tree_verification
 
 ALPHA = 1e-3  # a correct rule fails a chi-square test here with probability 0.001
 
@@ -51,27 +52,28 @@ def test_matches_are_measured_past_the_ngram_and_the_longest_is_followed():
     assert longest_matches(seq, starts, 2, 3, 0) == ([12, 7, 1], 2)  # off: most recent first, size n
     # capped at 3: the match at 7 counts as 3, as the one at 12 does; the earliest first
     assert longest_matches(seq, starts, 2, 3, 3) == ([7, 12], 3)
-    ids = torch.tensor(seq)
-    assert retrieve(ids, 2, 1, 3, 8, 32) == ([[7, 9, 3]], 4)
-    assert retrieve(ids, 2, 1, 3, 8, 0) == ([[6, 8, 4], [7, 9, 3], [2, 8, 4]], 2)
-    tokens, size = hf_specdec.proposals.ngram_match(ids, 2, 1, 3, 32)
-    assert tokens.tolist() == [7, 9, 3] and size == 4
-    tokens, size = hf_specdec.proposals.ngram_match(ids, 2, 1, 3)
-    assert tokens.tolist() == [6, 8, 4] and size == 2
-    with pytest.raises(ValueError, match="ngram_match_cap"):
-        hf_specdec.SpeculativeConfig(ngram_match_cap=-1)
+    assert retrieve(seq, 2, 1, 3, 8, 32) == ([[7, 9, 3]], 4)
+    assert retrieve(seq, 2, 1, 3, 8, 0) == ([[6, 8, 4], [7, 9, 3], [2, 8, 4]], 2)
+    tokens, size = hf_specdec.proposals.ngram_match(seq, 2, 1, 3, 32)
+    assert tokens == [7, 9, 3] and size == 4
+    tokens, size = hf_specdec.proposals.ngram_match(seq, 2, 1, 3)
+    assert tokens == [6, 8, 4] and size == 2
 
 
 def test_a_long_matchs_acceptance_is_learned_apart_and_lengthens_the_lookup():
     """Lookups after 3-token matches accepted for one token then rejected, after matches of 8-15
-    tokens accepted whole: the cost model learns about 0.5 and about 1 per position, and proposes a
-    few tokens after the first, the whole continuation after the second."""
-    policy = DraftPolicy(PolicySettings(max_draft_tokens=16, verify_cost=0.05, price_by_width=False))
+    tokens accepted whole: the acceptance model learns about 0.5 and about 1 per position, and the
+    planner verifies a few tokens after the first, the whole continuation after the second."""
+    planner = Planner(16, costs=Costs(draft_step=0.2, verify=0.05))
     for _ in range(40):
-        policy.observe_lookup(12, 1, 3)
-        policy.observe_lookup(12, 12, 8)
-    assert policy.ngram_acceptance_for(8) > 0.95 and 0.4 < policy.ngram_acceptance_for(3) < 0.6
-    assert policy.ngram_length(12, size=3)[0] <= 4 and policy.ngram_length(12, size=8)[0] == 12
+        planner.acceptance.observe_lookup(3, True)
+        planner.acceptance.observe_lookup(3, False)
+        for _ in range(12):
+            planner.acceptance.observe_lookup(8, True)
+    a3, a8 = planner.acceptance.lookup_at(3), planner.acceptance.lookup_at(8)
+    assert a8 > 0.95 and 0.4 < a3 < 0.6
+    chain = lambda a: [[a ** i for i in range(1, 13)]]  # noqa: E731
+    assert len(planner.best_nodes(chain(a3))[0][0]) <= 4 and len(planner.best_nodes(chain(a8))[0][0]) == 12
 
 
 def test_trie_merges_shared_prefixes_and_counts_continuations():
@@ -101,16 +103,15 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert by_depth[2] == pytest.approx(0.4 * 0.9 * 1.0) and by_depth[5] == pytest.approx(0.8 * 0.9 * 1 / 2 * (1 - 0.5))
 
 
-def test_cost_model_keeps_nodes_while_they_pay():
-    policy = DraftPolicy(PolicySettings(draft_cost=0.2, verify_cost=0.05))
+def test_the_planner_keeps_tree_nodes_while_they_pay():
+    planner = Planner(8, costs=Costs(draft_step=0.2, verify=0.05))
     reach = [0.9, 0.8, 0.3, 0.01, 0.2]
-    parents_first = policy.select_nodes(reach, [], 0, max_nodes=10)
-    assert parents_first == [0, 1, 2, 4]  # 0.01 * C < d * E: not worth a verify slot
-    assert policy.select_nodes(reach, [], 0, max_nodes=2) == [0, 1]
-    assert policy.select_nodes(reach, [3], 1, max_nodes=10)[:1] == [0] and 3 in policy.select_nodes(reach, [3], 1, 10)
-    dear = DraftPolicy(PolicySettings(draft_cost=0.2, verify_cost=1.0))
-    assert dear.select_nodes(reach, [], 0, max_nodes=10) == []  # a node costing a whole step never pays here
-    assert policy.tree_rate(reach, [0, 1]) == pytest.approx((1 + 0.9 + 0.8) / (1 + 2 * 0.05))
+    assert planner.best_nodes([reach])[0] == [[0, 1, 2, 4]]  # 0.01 is not worth a verify slot
+    assert planner.best_nodes([reach], most=2)[0] == [[0, 1]]
+    assert planner.best_nodes([reach], keep=[[3]])[0] == [[0, 1, 2, 3, 4]]  # kept nodes come first
+    dear = Planner(8, costs=Costs(draft_step=0.2, verify=1.0))
+    assert dear.best_nodes([reach])[0] == [[]]  # a node costing a whole step never pays here
+    assert planner.best_nodes([reach], most=2)[1] == pytest.approx((1 + 0.9 + 0.8) / (1 + 2 * 0.05))
 
 
 def test_tree_shape_helpers():
@@ -125,115 +126,6 @@ def test_tree_shape_helpers():
     assert not Tree([-1, -1], 0, [True, True]).from_draft(0)
     with pytest.raises(ValueError, match="parents must come before"):
         ancestors_mask([1, -1])
-
-
-# ---------------------------------------------------------------- the tree rule, exactly
-
-V = 6
-_gen = torch.Generator().manual_seed(5)
-P0 = torch.softmax(torch.randn(V, generator=_gen) * 1.5, -1)  # target after the root
-P1 = torch.softmax(torch.randn(V, V, generator=_gen) * 1.5, -1)  # target after token t (depth 1)
-P2 = torch.softmax(torch.randn(V, V, V, generator=_gen) * 1.5, -1)  # after (t1, t2)
-Q0 = torch.softmax(torch.randn(V, generator=_gen) * 1.5, -1)  # the draft's q, unlike p
-Q1 = torch.softmax(torch.randn(V, V, generator=_gen) * 1.5, -1)
-
-
-def _target(prefix: list[int]) -> torch.Tensor:
-    return [P0, P1[prefix[0]] if prefix else None, P2[tuple(prefix[:2])] if len(prefix) >= 2 else None][len(prefix)]
-
-
-def _random_tree(gen: torch.Generator) -> tuple[list[int], list[int], torch.Tensor]:
-    """A draft chain of two tokens drawn from q, and three retrieved continuations merged in."""
-    x1 = int(torch.multinomial(Q0, 1, generator=gen))
-    x2 = int(torch.multinomial(Q1[x1], 1, generator=gen))
-    trie = Trie()
-    trie.insert([x1, x2], DRAFT, count=False)
-    for continuation in ([2, 4], [3], [x1, 5]):
-        trie.insert(continuation, NGRAM, count=True)
-    return trie.tokens, trie.parents, torch.stack([Q0, Q1[x1]])
-
-
-def _tree_samples(n: int, seed: int, break_it: str | None = None) -> list[tuple[int, int, int]]:
-    """The first three tokens: the tree rule's emitted tokens, continued from the target itself."""
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        tokens, parents, q = _random_tree(gen)
-        if break_it == "point_mass":
-            q = None  # sampled tokens verified as if they were point masses
-        elif break_it == "wrong_q":
-            q = torch.full_like(q, 1.0 / V)  # q other than the one the token was drawn from
-
-        def p_at(node: int) -> torch.Tensor:
-            return _target(path_tokens(tokens, parents, node))
-
-        rule = tree_rule_without_residuals if break_it == "no_residual" else tree_speculative_sampling
-        path, extra = rule(tokens, parents, q, p_at, gen)
-        seq = [tokens[j] for j in path] + [extra]
-        while len(seq) < 3:
-            seq.append(int(torch.multinomial(_target(seq), 1, generator=gen)))
-        out.append(tuple(seq[:3]))
-    return out
-
-
-def _law() -> dict[tuple[int, int, int], float]:
-    return {(a, b, c): float(P0[a] * P1[a, b] * P2[a, b, c]) for a in range(V) for b in range(V) for c in range(V)}
-
-
-def _chi_square(samples) -> float:
-    """p-value of the chi-square test of the samples against the target's joint law."""
-    return chi_square_against(_law(), samples)[2]
-
-
-TREE_SAMPLES = 12000
-
-
-def test_tree_rule_is_exact_with_sampled_and_retrieved_children():
-    """Three tokens from the tree rule (draft chain from q, retrieved siblings at the root and under
-    the draft's first node) have the target's joint law: chi-square over 216 cells, 12000 samples."""
-    pvalue = _chi_square(_tree_samples(TREE_SAMPLES, seed=11))
-    print(f"\ntree rule: p={pvalue:.3f}")
-    assert pvalue > ALPHA
-
-
-def test_sampled_tokens_verified_as_point_masses_stay_exact():
-    """Not a bug: a token tested as a point mass (accept with p(x), residual p without x) gives p
-    whatever chose it, q included, as long as the choice does not see the rule's uniforms; only
-    acceptance suffers. (This is why greedy drafts and retrieved tokens need no q.)"""
-    assert _chi_square(_tree_samples(TREE_SAMPLES, seed=12, break_it="point_mass")) > ALPHA
-
-
-@pytest.mark.parametrize("break_it", ["wrong_q", "no_residual"])
-def test_broken_tree_rules_are_detected(break_it):
-    """q other than the one the token was drawn from; children tested against p, not the residual."""
-    pvalue = _chi_square(_tree_samples(TREE_SAMPLES, seed=13, break_it=break_it))
-    print(f"\nBROKEN tree rule ({break_it}): p={pvalue:.2e}")
-    assert pvalue < ALPHA
-
-
-def tree_rule_without_residuals(tokens, parents, draft_probs, target_probs_at, generator=None):
-    """Broken on purpose: every child is tested against p itself (no residual after a rejected
-    sibling), and the final token is drawn from p."""
-    node, path = -1, []
-    while True:
-        p = target_probs_at(node).float()
-        accepted = None
-        for child in (j for j, parent in enumerate(parents) if parent == node):
-            u = float(torch.rand((), generator=generator))
-            sampled = draft_probs is not None and child < draft_probs.shape[0]
-            q_x = float(draft_probs[child, tokens[child]]) if sampled else 1.0
-            if u * q_x < float(p[tokens[child]]):
-                accepted = child
-                break
-        if accepted is None:
-            return path, int(torch.multinomial(p, 1, generator=generator))
-        path.append(accepted)
-        node = accepted
-
-
-def test_tree_rule_refuses_a_sampled_node_that_is_not_the_first_child():
-    with pytest.raises(ValueError, match="first child"):
-        tree_speculative_sampling([3, 2], [-1, -1], torch.full((2, V), 1.0 / V), lambda n: P0)
 
 
 def test_greedy_tree_follows_the_target_argmax():
@@ -301,7 +193,7 @@ def _tree_records(target, draft, prompt, new_tokens=40, **kwargs):
     records = []
     out = target.generate(
         prompt, max_new_tokens=new_tokens, custom_generate=hf_specdec.speculative_generate, assistant=draft,
-        acceptance_sink=records.append, draft_cost=0.05, verify_cost=0.02, return_dict_in_generate=True, **kwargs,
+        acceptance_sink=records.append, costs=Costs(draft_step=0.05, verify=0.02), return_dict_in_generate=True, **kwargs,
     )
     return out, records
 
@@ -341,11 +233,11 @@ def test_trees_switch_off_for_batches_and_tree_false():
 
 
 def test_trees_by_default_for_greedy_decoding_chains_when_sampling():
-    """tree=None (the default): trees in greedy calls, chains in sampling calls (measured slower there
-    on the real pair); tree=True asks for trees when sampling too."""
+    """tree=True (the default): trees in greedy calls; sampling calls verify chains (trees measured
+    slower there on the real pair, and a sampled tree's walk would read the device node by node)."""
     target = tiny_model("llama", vocab=16, seed=4)
     draft = perturbed(target, noise=0.2)
-    assert hf_specdec.SpeculativeConfig().tree is None
+    assert hf_specdec.SpeculativeConfig().tree is True
     with pytest.raises(ValueError, match="tree must be"):
         hf_specdec.SpeculativeConfig(tree="yes")
     _, records = _tree_records(target, draft, REPETITIVE, do_sample=False)
@@ -353,9 +245,6 @@ def test_trees_by_default_for_greedy_decoding_chains_when_sampling():
     torch.manual_seed(0)
     _, records = _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=0.7)
     assert records and all(r.parents is None for r in records)
-    torch.manual_seed(0)
-    _, records = _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=0.7, tree=True)
-    assert any(r.parents is not None for r in records)
 
 
 def test_trees_stop_exactly_at_eos_and_max_new_tokens():

@@ -7,7 +7,7 @@ through `Drafter.propose` and `Drafter.update` and reads what it needs from the 
 """
 
 from .base import Drafter, DraftRequest, Proposal
-from .draft_model import DraftCandidateGenerator, DraftModelDrafter, VocabularySubsetHead, with_draft_temperature
+from .draft_model import DraftCandidateGenerator, DraftModelDrafter, with_draft_temperature
 from .foreign import CandidateGeneratorDrafter
 from .ngram import NgramCandidateGenerator, NgramDrafter, ngram_lookup, ngram_match
 
@@ -20,7 +20,6 @@ __all__ = [
     "NgramCandidateGenerator",
     "NgramDrafter",
     "Proposal",
-    "VocabularySubsetHead",
     "ngram_lookup",
     "ngram_match",
     "with_draft_temperature",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, replace
+from typing import Callable
 import torch
 from transformers import Cache
 
@@ -114,6 +115,9 @@ class DraftRequest:
     max_tokens: int  # propose at most this many tokens per row
     host: list[list[int]] = ()  # each row's real sequence on the host, for lookups (no device read)
     confidences: bool = False  # a draft model reports its probability of each token (and greedy runners-up)
+    # Where reading the device is free (the CPU): after each drafted token, given per row the draft's
+    # probability of it, whether to draft another (the planner's early stop). None: draft max_tokens.
+    keep_drafting: Callable[[list[float]], bool] | None = None
 
 
 class Drafter(ABC):

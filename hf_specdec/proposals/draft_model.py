@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import torch
@@ -20,8 +19,6 @@ from transformers.generation.logits_process import (
 )
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
-from ..cpu import PackedLinear
-from ..quantize import WeightOnlyLinear
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
@@ -52,36 +49,6 @@ def with_draft_temperature(processor: LogitsProcessorList, temperature: float) -
     position = next((i for i, p in enumerate(out) if isinstance(p, _AFTER_TEMPERATURE)), len(out))
     out.insert(position, warper)
     return out
-
-
-class VocabularySubsetHead:
-    """The draft's output layer restricted to a token subset: logits outside it are -inf, so q is
-    zero there and such tokens are never proposed. Exact for any subset (q is still the distribution
-    the draft token was drawn from); only acceptance can suffer, when the target wants a token
-    outside the subset. It saves the matrix product over the rest of the vocabulary: for a 0.5B draft
-    with a 152k vocabulary, the output layer is over a quarter of the weights read per step.
-    """
-
-    def __init__(self, output_embeddings: torch.nn.Module, token_ids: torch.Tensor, vocab: int):
-        self.token_ids = token_ids.unique()  # sorted
-        if isinstance(output_embeddings, (WeightOnlyLinear, PackedLinear)):  # int8, or float32 packed for oneDNN
-            self.project = output_embeddings.select_outputs(self.token_ids)
-        elif getattr(output_embeddings, "weight", None) is not None and not output_embeddings.weight.is_meta:
-            weight = output_embeddings.weight[self.token_ids].detach().contiguous()  # [subset, hidden]
-            bias = getattr(output_embeddings, "bias", None)
-            self.project = functools.partial(torch.nn.functional.linear, weight=weight,
-                                             bias=None if bias is None else bias[self.token_ids].detach())
-        else:
-            raise ValueError(
-                f"draft_vocab_size needs the draft's output layer's weights loaded (a {type(output_embeddings).__name__} "
-                "without them cannot be restricted to a vocabulary subset)"
-            )
-        self.vocab = vocab
-
-    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., vocab]
-        logits = self.project(hidden)
-        full = logits.new_full((*logits.shape[:-1], self.vocab), -float("inf"))
-        return full.index_copy_(-1, self.token_ids, logits)
 
 
 def context_length(config) -> int | None:
@@ -125,7 +92,6 @@ class DraftModelDrafter(Drafter):
         logits_processor: LogitsProcessorList | None,
         do_sample: bool,
         generator: torch.Generator | None = None,
-        vocabulary: torch.Tensor | None = None,  # [subset] token ids the draft may propose; None: all
         window: int | None = None,  # encode only the last `window` prompt tokens (None: all of them)
     ):
         self.model = model
@@ -133,7 +99,6 @@ class DraftModelDrafter(Drafter):
         self.do_sample = do_sample
         self.generator = generator
         self.vocab = model.get_output_embeddings().weight.shape[0]
-        self.head = None if vocabulary is None else VocabularySubsetHead(model.get_output_embeddings(), vocabulary, self.vocab)
         if window is not None and window < 1:
             raise ValueError(f"the draft window must be a positive number of tokens, got {window}")
         self.max_positions = context_length(model.config)
@@ -186,13 +151,13 @@ class DraftModelDrafter(Drafter):
         if self.window is not None and not self.cache.get_seq_length() and ids.shape[1] > self.window:
             self.hidden = ids.shape[1] - self.window
             window_mask = None if mask is None else mask[:, self.hidden :]
-            logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=1, head=self.head)
+            logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=1)
             hide_prefix(self.cache, self.hidden)
             return logits[:, -1]
         if self.hidden:
             mask = torch.ones_like(ids) if mask is None else mask.clone()
             mask[:, : self.hidden] = 0
-        return extend(self.model, self.cache, ids, mask, num_logits=1, head=self.head)[:, -1]
+        return extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1]
 
     def propose(self, request: DraftRequest) -> Proposal:
         """`request.max_tokens` tokens per row, one draft forward each, with no read of the device
@@ -202,7 +167,7 @@ class DraftModelDrafter(Drafter):
         if self.cache is None or not request.max_tokens:  # retired (see the class doc), or asked for nothing
             return Proposal.nothing(ids.shape[0], ids.device)
         probs, reports = [], []
-        for _ in range(request.max_tokens):
+        for j in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = self._logits(ids, mask)  # [rows, vocab]
@@ -211,6 +176,9 @@ class DraftModelDrafter(Drafter):
             reports.append(report)
             ids = torch.cat([ids, token[:, None]], dim=1)
             mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
+            if request.keep_drafting is not None and j + 1 < request.max_tokens and report:
+                if not request.keep_drafting(_confidences(report[0].tolist())):  # a read per token: the CPU only
+                    break
         tokens = ids[:, width:]  # [rows, k]
         parts = [tokens.double(), *(torch.stack(part, dim=1) for part in zip(*reports))]  # each [rows, k]
         host = torch.stack(parts).tolist()  # the one read: [parts, rows, k]
@@ -221,7 +189,7 @@ class DraftModelDrafter(Drafter):
                 runners_up = [list(zip((int(t) for t in tr), _confidences(pr))) for tr, pr in zip(host[2], host[3])]
         return Proposal(
             tokens=tokens, draft_probs=torch.stack(probs, dim=1) if self.do_sample else None,  # [rows, k, vocab]
-            source=self.source, host=[[int(t) for t in row] for row in host[0]], forwards=request.max_tokens,
+            source=self.source, host=[[int(t) for t in row] for row in host[0]], forwards=tokens.shape[1],
             confidences=confidences, runners_up=runners_up,
         )
 

@@ -116,8 +116,8 @@ def length_distribution(records) -> dict:
 
 
 def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tokens, num_draft_tokens,
-                     modes=("greedy",), prompts_per_size: int | None = None, draft_vocab_size: int | None = None,
-                     on_row=None, variant: dict | None = None) -> list[dict]:
+                     modes=("greedy",), prompts_per_size: int | None = None, on_row=None,
+                     variant: dict | None = None) -> list[dict]:
     """Throughput (generated tokens / second) of plain batched decoding and hf_specdec at each batch
     size and mode, over the same prompts, the two interleaved batch by batch. Each cell also keeps
     the ratio of every batch on its own (`batch_ratios`): their spread is the noise a one-run cell
@@ -130,8 +130,6 @@ def batch_throughput(target, draft, tokenizer, prompts, batch_sizes, max_new_tok
     spec = dict(assistant=draft)
     if num_draft_tokens is not None:
         spec["num_draft_tokens"] = num_draft_tokens
-    if draft_vocab_size is not None:
-        spec["draft_vocab_size"] = draft_vocab_size
     rows = []
     for mode_name in modes:
         mode = MODES[mode_name]
@@ -215,21 +213,16 @@ def batch_table(rows) -> str:
 
 
 def _with_settings(spec: dict, settings: dict) -> dict:
-    """hf_specdec's keyword arguments with `settings` changed: speculative_generate's own arguments as
-    they are, other SpeculativeConfig fields (prefill_patience, ...) through `speculative_config`."""
-    import dataclasses
+    """hf_specdec's keyword arguments with `settings` changed (each a speculative_generate argument:
+    every SpeculativeConfig field is one)."""
     import inspect
 
-    named = set(inspect.signature(hf_specdec.speculative_generate).parameters)
-    fields = {f.name for f in dataclasses.fields(hf_specdec.SpeculativeConfig)}
-    unknown = sorted(set(settings) - named - fields)
+    named = {name for name, parameter in inspect.signature(hf_specdec.speculative_generate).parameters.items()
+             if parameter.kind is not inspect.Parameter.VAR_KEYWORD}
+    unknown = sorted(set(settings) - named)
     if unknown:
-        raise ValueError(f"--variant: {', '.join(unknown)} is neither a speculative_generate argument nor a SpeculativeConfig field")
-    config = {k: v for k, v in settings.items() if k not in named}
-    out = dict(spec, **{k: v for k, v in settings.items() if k in named})
-    if config:
-        out["speculative_config"] = hf_specdec.SpeculativeConfig(**config)
-    return out
+        raise ValueError(f"--variant: {', '.join(unknown)} is not a speculative_generate argument")
+    return dict(spec, **settings)
 
 
 def variant_table(rows) -> str:
@@ -294,7 +287,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
     config = dict(target=args.target, draft=args.draft, batch_sizes=list(args.batch_sizes), max_new_tokens=args.max_new_tokens,
                   num_draft_tokens=args.num_draft_tokens, draft_bits=args.draft_bits, categories=list(args.categories),
                   torch_threads=torch.get_num_threads(), modes=list(args.modes), prompts_per_size=args.prompts_per_size,
-                  draft_vocab_size=args.draft_vocab_size, pack=args.pack, variant=args.variant)
+                  pack=args.pack, variant=args.variant)
     title = f"Batched throughput ({args.max_new_tokens} new tokens, prompts mixed across {', '.join(args.categories)})"
     if args.pack:
         title += "; float32 oneDNN-packed target and draft"
@@ -308,8 +301,7 @@ def run_batch_study(args: argparse.Namespace) -> list[dict]:
         plot_throughput(rows, out / "batch_throughput.png")
 
     rows = batch_throughput(target, draft, tokenizer, prompts, args.batch_sizes, args.max_new_tokens, args.num_draft_tokens,
-                            modes=args.modes, prompts_per_size=args.prompts_per_size, draft_vocab_size=args.draft_vocab_size,
-                            on_row=write, variant=args.variant)
+                            modes=args.modes, prompts_per_size=args.prompts_per_size, on_row=write, variant=args.variant)
     write(rows, done=True)
     print(batch_table(rows))
     if args.variant:
@@ -328,11 +320,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
     add_options(parser, "pack", "draft_bits")
-    parser.add_argument("--draft-vocab-size", type=int, default=None, metavar="N",
-                        help="hf_specdec's reduced-vocabulary draft head: token ids below N, the prompts' and EOS (default: all)")
     parser.add_argument("--variant", nargs="+", default=None, metavar="KEY=VALUE", type=_setting,
                         help="also run hf_specdec with these keyword arguments changed, right after it on every batch "
-                             "(an A/B of one lever in the same run), e.g. --variant draft_vocab_size=32768")
+                             "(an A/B of one lever in the same run), e.g. --variant adaptive=False")
     add_options(parser, "threads", out="runs/batch")
     parser.add_argument("--categories", nargs="+", default=list(BATCH_CATEGORIES), choices=BATCH_CATEGORIES, metavar="CATEGORY")
     args = parser.parse_args(argv)

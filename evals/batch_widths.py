@@ -31,7 +31,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_specdec.cache import new_cache, rollback  # noqa: E402
 from hf_specdec.cpu import pack_linears  # noqa: E402
 from hf_specdec.pair import load_model  # noqa: E402
-from hf_specdec.proposals.draft_model import VocabularySubsetHead  # noqa: E402
 from hf_specdec.stats import geometric_tokens_per_round  # noqa: E402
 from common import add_options, apply_threads, hf_draft, pack_draft  # noqa: E402
 
@@ -63,8 +62,6 @@ def main(argv=None) -> dict:
                         help="weight-only quantization of the draft (with --pack: 8 gives the packed draft int8 copies for its steps)")
     parser.add_argument("--acceptance", type=float, default=0.75, help="per-token acceptance for the best-speedup line")
     add_options(parser, "threads", "pack")
-    parser.add_argument("--draft-vocab-size", type=int, default=None,
-                        help="time the draft with its output layer restricted to ids below this (draft_vocab_size's head)")
     add_options(parser, out="runs/batch-widths")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
@@ -77,14 +74,9 @@ def main(argv=None) -> dict:
     if args.draft:
         draft, _ = load_model(args.draft)
         if args.pack:  # as the other eval scripts pack hf_specdec's draft (int8 copies under --draft-bits 8)
-            draft = pack_draft(draft.eval(), args.draft_bits, keep_head_rows=bool(args.draft_vocab_size))
+            draft = pack_draft(draft.eval(), args.draft_bits)
         else:
             draft = hf_draft(draft.eval(), args.draft_bits)
-        if args.draft_vocab_size:  # the reduced head alone (generate adds the prompt's ids and EOS to the subset)
-            if not (args.pack or args.draft_bits == 8):
-                parser.error("--draft-vocab-size times a packed (--pack) or int8 (--draft-bits 8) draft head")
-            draft.lm_head = VocabularySubsetHead(draft.get_output_embeddings(), torch.arange(args.draft_vocab_size),
-                                                 draft.get_output_embeddings().weight.shape[0]).project
     table, step_ms, draft_cost = {}, {}, {}
     for batch in args.batch_sizes:
         row = {w: forward_seconds(model, batch, w, args.context, args.reps, gen) for w in args.widths}

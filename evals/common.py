@@ -114,7 +114,7 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
         from hf_specdec.cpu import pack_linears
 
         pack_linears(target)
-        pack_draft(draft, draft_bits)  # draft_vocab_size restricts its head; int8 copies for its steps
+        pack_draft(draft, draft_bits)  # int8 copies for its one-token steps
     return target, draft, tokenizer
 
 
@@ -159,12 +159,12 @@ def apply_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def pack_draft(draft, draft_bits: int = 8, keep_head_rows: bool = True):
+def pack_draft(draft, draft_bits: int = 8):
     """The draft packed as every eval script packs hf_specdec's: with int8 copies for its one-token
-    steps under `draft_bits` 8, none otherwise; `keep_head_rows` for a reduced-vocabulary head."""
+    steps under `draft_bits` 8, none otherwise."""
     from hf_specdec.cpu import pack_linears
 
-    return pack_linears(draft, keep_head_rows=keep_head_rows, decode_bits=8 if draft_bits == 8 else None)
+    return pack_linears(draft, decode_bits=8 if draft_bits == 8 else None)
 
 
 def hf_draft(draft, bits: int):

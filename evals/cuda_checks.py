@@ -37,7 +37,7 @@ from conftest import ARCHITECTURES, chi_square_against, perturbed, tiny_model  #
 from test_exactness import NEW, SAMPLING, VOCAB, UnprocessedQ, exact_joint, processors  # noqa: E402
 
 ALPHA = 1e-3
-PINNED = dict(draft_cost=0.3, verify_cost=0.02)  # the cost model on, reading no clock
+PINNED = dict(costs=hf_specdec.Costs(draft_step=0.3, verify=0.02))  # the planner on, reading no clock
 HOST_READS = ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy")
 
 
@@ -137,7 +137,7 @@ def greedy_identity(device: str, new_tokens: int) -> list[dict]:
             batch = target.generate(ids, max_new_tokens=new_tokens, do_sample=False,
                                     custom_generate=hf_specdec.speculative_generate, assistant=draft, **levers)
             plain_batch = target.generate(ids, max_new_tokens=new_tokens, do_sample=False)
-            rows.append(dict(arch=arch, levers=json.dumps(levers), rows_equal=f"{same}/{len(ids)}",
+            rows.append(dict(arch=arch, levers=json.dumps(levers, default=repr), rows_equal=f"{same}/{len(ids)}",
                              batch_equal=bool(torch.equal(batch, plain_batch)),
                              ok=same == len(ids) and bool(torch.equal(batch, plain_batch))))
             print(rows[-1])

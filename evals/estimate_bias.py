@@ -13,8 +13,10 @@ tokens accepted:
     chain-none    a plain step
 
 A ratio accepted / estimated far from 1 says which estimate misleads the choice between sources.
+Only tree rounds carry estimates, and trees are built in greedy single-row calls only (sampling
+always verifies chains): `--mode sampling` counts rounds and accepted tokens but estimates none.
 
-    python evals/estimate_bias.py --categories summarization --prompts 2 --mode sampling --seeds 0 1
+    python evals/estimate_bias.py --categories summarization --prompts 2 --mode greedy
 """
 
 from __future__ import annotations
@@ -69,11 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--categories", nargs="+", default=["summarization"])
     parser.add_argument("--prompts", type=int, default=2, help="prompts per category (tuning split)")
-    parser.add_argument("--mode", choices=list(MODES), default="sampling")
+    parser.add_argument("--mode", choices=list(MODES), default="greedy",
+                        help="greedy (tree rounds, which carry estimates) or sampling (chains: none)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--draft-cost", type=float, default=0.24, help="pinned c (the int8 draft's on the real pair)")
-    parser.add_argument("--verify-cost", type=float, default=0.03, help="pinned d")
+    parser.add_argument("--verify-cost", type=float, default=0.03, help="pinned d (a forward over w tokens costs 1 + d (w - 1) target steps)")
     add_options(parser, threads=2)
     parser.add_argument("--out", type=Path, help="write the table here (JSON)")
     args = parser.parse_args()
@@ -86,8 +89,9 @@ def main() -> None:
         for seed in args.seeds:
             torch.manual_seed(seed)
             target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=args.max_new_tokens, **MODES[args.mode],
-                            custom_generate=hf_specdec.speculative_generate, assistant=draft, draft_cost=args.draft_cost,
-                            verify_cost=args.verify_cost, acceptance_sink=records.append)
+                            custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                            costs=hf_specdec.Costs(draft_step=args.draft_cost, verify=args.verify_cost),
+                            acceptance_sink=records.append)
             if args.mode == "greedy":
                 break  # seeds do not matter
     table = tally(records)

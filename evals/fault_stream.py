@@ -47,7 +47,7 @@ def main(count: int = 1000, bad_share: float = 0.05, new_tokens: int = 4) -> Non
     start = time.perf_counter()
     results = hf_specdec.generate_continuous(
         target, iter(items), assistant=draft, max_batch_size=8, max_new_tokens=new_tokens, do_sample=False,
-        draft_cost=0.05, verify_cost=0.03, on_result=on_result,
+        costs=hf_specdec.Costs(draft_step=0.05, verify=0.03), on_result=on_result,
         acceptance_sink=lambda record: cache_lengths.append(record.cache_length),
     )
     seconds = time.perf_counter() - start

@@ -2,7 +2,7 @@
 ratios (A's tokens per second over B's), wall-clock and modelled, with a bootstrap 90% interval
 (prompts resampled within categories, 2000 draws, seed 0), and per category.
 
-    python evals/paired.py runs/x/records.jsonl hf_specdec hf_linear_verify
+    python evals/paired.py runs/x/records.jsonl hf_specdec hf_chain
     python evals/paired.py runs/x/records.jsonl hf_specdec prompt_lookup --mode greedy
 
 Both methods ran on the same prompts in the same run, interleaved per prompt, so a slow spell of a

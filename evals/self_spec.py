@@ -14,7 +14,8 @@ int8 copy hf_specdec uses) on the report split:
    verification accepts there). Sampling (T = 0.7, top-p 0.95, p and q warped alike): the mean of
    sum_t min(p(t), q(t)), the probability that the rule accepts a draft token at that position.
 2. Cost: one draft step (one token over a warm cache at a prompt's length) over one target step,
-   timed interleaved, c; the verify cost d per extra token from the cost table (`--cost-table`).
+   timed interleaved, c; the verify cost d per extra token from the cost table (`--cost-table`: the
+   least-squares slope of the target's forward time against width, up to 9 tokens, over its step).
 3. Predicted speedup of a chain of k model drafts with i.i.d. acceptance a: (1 - a^(k+1)) / (1 - a)
    tokens per round at a cost of 1 + d k + c k target steps, the best k in 1..8. It ignores the
    draft's prefill and the cost model's early stops, the same way for every draft.
@@ -131,6 +132,16 @@ def step_costs(target, drafts: dict, layers: list[int], prompt: list[int], repea
     return {name: statistics.median(t) / step for name, t in times.items() if name != "target"}
 
 
+def verify_slope(table: CostTable, context: int) -> float:
+    """d: the least-squares slope of the target's forward time against width (up to 9 tokens) at
+    `context`, over its one-token step (what the cost table pinned as d before per-width prices)."""
+    widths = [w for w in table.widths if w <= 9]
+    xs, ys = [w - 1 for w in widths], [table.forward("target", w, context) for w in widths]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    return max(0.0, slope / table.forward("target", 1, context))
+
+
 def best_chain(a: float, c: float, d: float) -> tuple[float, int]:
     """(predicted speedup, k) of the best chain length for i.i.d. acceptance a."""
     options = []
@@ -187,8 +198,8 @@ def measure(target, draft_int8, layer: int, prompts: list[dict], costs: dict[str
     self_draft = hf_specdec.early_exit_draft(target, layer)
     methods = {
         "plain": {},
-        f"exit{layer}": dict(assistant=self_draft, draft_cost=costs[f"exit{layer}"]),
-        "int8": dict(assistant=draft_int8, draft_cost=costs["int8"]),
+        f"exit{layer}": dict(assistant=self_draft, costs=hf_specdec.Costs(draft_step=costs[f"exit{layer}"], verify=d)),
+        "int8": dict(assistant=draft_int8, costs=hf_specdec.Costs(draft_step=costs["int8"], verify=d)),
     }
     rows = []
     for prompt in tqdm(prompts, desc="measured runs"):
@@ -197,7 +208,7 @@ def measure(target, draft_int8, layer: int, prompts: list[dict], costs: dict[str
             kwargs = dict(max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
                           attention_mask=torch.ones_like(ids))
             if extra:
-                kwargs.update(custom_generate=hf_specdec.speculative_generate, ngram=False, verify_cost=d,
+                kwargs.update(custom_generate=hf_specdec.speculative_generate, ngram=False,
                               return_dict_in_generate=True, **extra)
             start = time.perf_counter()
             out = target.generate(ids, **kwargs)
@@ -262,7 +273,7 @@ def main(argv=None):
     layers = [layer for layer in args.layers if 1 <= layer < n_layers] or [max(1, n_layers // 2)]
     tiny = args.target == "tiny"
     prompts, tokens = teacher_texts(target, tokenizer, Path(args.records), tiny)
-    d = 0.03 if tiny else CostTable.load(Path(args.cost_table)).pinned_costs(512)["verify_cost"]
+    d = 0.03 if tiny else verify_slope(CostTable.load(Path(args.cost_table)), 512)
     print(f"{len(prompts)} prompts; early exits at {layers} of {n_layers} layers; d = {d:.3f}")
     rows = acceptance(target, drafts, layers, prompts, tokens)
     median_prompt = sorted(prompts, key=lambda p: len(p["input_ids"]))[len(prompts) // 2]["input_ids"]

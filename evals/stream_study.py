@@ -14,8 +14,9 @@ few percent of drift between methods that a per-prompt interleave would cancel):
 * `hf_specdec_static`: the same batches through hf_specdec's speculative_generate.
 * `hf_specdec_continuous`: `hf_specdec.generate_continuous`, at most `--max-batch-size` rows: a row
   leaves when it reaches its budget or EOS and the next prompt joins at once.
-* `continuous_no_speculation`: the same continuous batching with the draft priced out and lookup off
-  (every round a plain step for every row): what continuous batching alone buys.
+* `continuous_no_speculation`: the same continuous batching with the draft priced out (pinned
+  `costs=hf_specdec.Costs(draft_step=1e3)`) and lookup off (plain steps for every row, but for the
+  planner's occasional probes of the draft): what continuous batching alone buys.
 * `transformers_continuous`: transformers' own continuous batching (its manager, each request with
   its budget, at most `--max-batch-size` requests a batch), when it runs on this machine (no speculation).
 
@@ -156,7 +157,8 @@ def main(args: argparse.Namespace) -> None:
     outputs, seconds, records, extra = run_continuous(target, draft, prompts, budgets, size, eos_id)
     runs["hf_specdec_continuous"] = dict(outputs=outputs, seconds=seconds, lengths=length_distribution(records), **extra)
     if not args.skip_no_speculation:
-        outputs, seconds, _, extra = run_continuous(target, draft, prompts, budgets, size, eos_id, ngram=False, draft_cost=1e3)
+        outputs, seconds, _, extra = run_continuous(target, draft, prompts, budgets, size, eos_id, ngram=False,
+                                                   costs=hf_specdec.Costs(draft_step=1e3))
         runs["continuous_no_speculation"] = dict(outputs=outputs, seconds=seconds, **extra)
     if not args.skip_static_spec:
         outputs, seconds, records = run_static(target, prompts, budgets, size, pad_id, eos_id, spec)

@@ -42,11 +42,11 @@ def main() -> None:
         print(f"prompt {result.index:2d} finished: {len(result.tokens)} tokens, "
               f"{stats.mean_tokens_per_round:.2f} tokens per round")
 
-    # The cost model measures costs online and, for tiny models at batch 4 on a CPU, may find plain
+    # The planner measures costs online and, for tiny models at batch 4 on a CPU, may find plain
     # steps cheaper; pinned costs (a draft step 0.1 of a target step) make the mechanics visible.
     results = hf_specdec.generate_continuous(target, arrivals(), assistant=draft, max_batch_size=4,
                                              max_new_tokens=24, do_sample=False, on_result=show,
-                                             draft_cost=0.1, verify_cost=0.03)
+                                             costs=hf_specdec.Costs(draft_step=0.1, verify=0.03))
     same = all(
         torch.equal(r.tokens, target.generate(torch.tensor([p]), do_sample=False,
                                               max_new_tokens=8 if i % 3 == 0 else 24)[0, len(p):])

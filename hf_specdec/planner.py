@@ -322,6 +322,15 @@ class Planner:
 
         return keep_drafting
 
+    def stopped_length(self, confidences: list[Sequence[float]], most: int) -> int:
+        """How many of the drafted tokens (per row their confidences) the stop rule keeps: token j + 1
+        on what tokens 1..j said, never on its own value (a stopping time: exact under sampling)."""
+        keep, drafted = self.stop_rule(most), min(len(c) for c in confidences)
+        length = 1
+        while length < drafted and keep([c[length - 1] for c in confidences]):
+            length += 1
+        return length
+
     def plan(self, retrieved: list[list[float]], draft_room: int, prefill: int = 0, remaining: int = 0,
              most: int | None = None) -> RoundPlan:
         """This round: per row the reach of each retrieved node (`best_nodes`), at most `draft_room`

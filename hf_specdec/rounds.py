@@ -142,7 +142,10 @@ def _draft_reach(state: DecodeState, confidences: list[float]) -> list[float]:
 
 def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
     """Chains, for one row or a batch: per row its lookup or the draft model's chain, as the planner
-    says; each row's length its own (verified with per-row lengths, a row of length 0 a plain step)."""
+    says; each row's length its own (verified with per-row lengths, a row of length 0 a plain step).
+    Which rows take their lookup is decided before the draft runs, and how many drafted tokens are
+    verified by the planner's stop rule, each token kept on what the tokens before it said: under
+    sampling a drafted token must not be kept or dropped by its own value (that would bias q)."""
     planner, rows = state.planner, state.batch.size
     lookups = state.lookup.match_rows(dataclasses.replace(request, max_tokens=room)) if state.lookup else [([], 0)] * rows
     trace.match_sizes = [size for _, size in lookups]
@@ -152,19 +155,18 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
         trace.unverified = {r: tokens for r, ((tokens, _), chain) in enumerate(zip(lookups, chains)) if tokens and not chain}
         return _point_masses(chains, request.ids.device) if any(chains) else Proposal.nothing(rows, request.ids.device)
+    expected = sum(planner.acceptance.draft_reach(plan.draft))  # a draft row's expected accepted tokens
+    use_lookup = [sum(r) > expected for r in reach]
+    trace.unverified = {r: tokens for r, (tokens, _) in enumerate(lookups) if tokens and not use_lookup[r]}
     chain = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:  # verified as drafted
         return chain
-    drafted = [_draft_reach(state, c) for c in chain.confidences]
-    use_lookup = [sum(r) > sum(d) for r, d in zip(reach, drafted)]  # the row's better chain, by expected tokens
-    nodes, _ = planner.best_nodes([r if lookup else d for r, d, lookup in zip(reach, drafted, use_lookup)],
-                                  base=chain.forwards * planner.curve.draft_step)
-    lengths = [len(n) for n in nodes]
-    trace.unverified = {r: tokens for r, (tokens, _) in enumerate(lookups) if tokens and not use_lookup[r]}
+    drafted = planner.stopped_length(chain.confidences, request.max_tokens)
+    retrieved = [tokens[: len(planner.best_nodes([r])[0][0])] if lookup else None
+                 for (tokens, _), r, lookup in zip(lookups, reach, use_lookup)]
     if not any(use_lookup):
-        return chain.first(lengths)
-    return _mixed(chain, [tokens[:m] if lookup else None for (tokens, _), m, lookup in zip(lookups, lengths, use_lookup)],
-                  lengths)
+        return chain.first([drafted] * rows)
+    return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
 
 
 def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> Proposal:

@@ -154,9 +154,19 @@ def main(argv=None) -> dict:
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
     parser.add_argument("--explain-only", action="store_true",
                         help="no replay: read <out>/replay.jsonl and explain its greedy mismatches (margins in bf16 steps)")
+    parser.add_argument("--accelerator-path", action="store_true",
+                        help="run the loop as on an accelerator, where each device read stalls: no per-token draft "
+                             "stop, no CPU-only sparse sampling (hf_specdec.verify.reads_are_free off)")
     add_options(parser, "threads")
     args = parser.parse_args(argv)
     apply_threads(args.threads)
+    if args.accelerator_path:
+        import hf_specdec.rounds
+        import hf_specdec.sampling
+        import hf_specdec.verify
+
+        for module in (hf_specdec.verify, hf_specdec.sampling, hf_specdec.rounds):
+            module.reads_are_free = lambda device: False
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:
         table.alias("hf", "bf16")

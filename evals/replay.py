@@ -150,6 +150,7 @@ def main(argv=None) -> dict:
     add_options(parser, out=REQUIRED)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a mode (a quick look)")
+    parser.add_argument("--ids", nargs="+", default=None, help="only these prompt ids (a quick look)")
     parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
     parser.add_argument("--explain-only", action="store_true",
@@ -194,7 +195,8 @@ def main(argv=None) -> dict:
     replayed = []
     with open(out / "replay.jsonl", "w") as sink:
         for mode in args.modes:
-            order = [r["id"] for r in records if r["method"] == "plain" and r["mode"] == mode]
+            order = [r["id"] for r in records if r["method"] == "plain" and r["mode"] == mode
+                     and (args.ids is None or r["id"] in args.ids)]
             plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == mode}
             for seed, prompt_id in enumerate(order[: args.limit]):
                 start = time.perf_counter()

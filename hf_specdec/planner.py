@@ -163,17 +163,25 @@ class Acceptance:
 
     def __init__(self, depth: int):
         self.draft = [PRIOR_DRAFT] * depth  # P(draft token i accepted | the ones before it were)
+        self.draft_seen = [0] * depth
+        self.pooled = PRIOR_DRAFT  # the same for every depth past the first, pooled: where a depth has no estimate yet
         self.hits = [BIN_PRIOR * (b + 0.5) / BINS for b in range(BINS)]  # calibration: accepted per bin
         self.tries = [BIN_PRIOR] * BINS  # ... and reached per bin
         self.lookup_all = PRIOR_LOOKUP  # retrieved tokens, all match sizes
         self.lookup: dict[int, float] = {}  # per match size
         self.lookup_seen: dict[int, int] = {}
 
+    def draft_at(self, i: int) -> float:
+        """P(draft token i + 1 accepted | the ones before it were): its depth's estimate, or the pooled
+        one where that depth was never reached (so a depth the draft stops short of is not stuck at
+        the prior)."""
+        return self.draft[i] if self.draft_seen[i] or i == 0 else self.pooled
+
     def draft_reach(self, k: int) -> list[float]:
         """P(draft tokens 1..i all accepted), i = 1..k, before drafting."""
         out, p = [], 1.0
-        for a in self.draft[:k]:
-            p *= a
+        for i in range(min(k, len(self.draft))):
+            p *= self.draft_at(i)
             out.append(p)
         return out
 
@@ -196,7 +204,11 @@ class Acceptance:
         draft's first forward paid (its token, or in a tree the runner-up beside it, was taken)."""
         for i in range(min(accepted + 1, drafted)):
             hit = float(first_hit if i == 0 else i < accepted)
-            self.draft[i] = _ema(self.draft[i], hit, weight)
+            if i:
+                self.pooled = _ema(self.pooled, hit, weight / 2)
+            start = self.draft_at(i)
+            self.draft[i] = _ema(start, hit, weight)
+            self.draft_seen[i] += 1
             if confidences is not None:
                 b = min(max(int(confidences[i] * BINS), 0), BINS - 1)
                 self.hits[b] += float(i < accepted)
@@ -291,11 +303,24 @@ class Planner:
             rate = rows * (1 + gain) / (k * c + self.curve.verify_price(1 + k))
             if rate > best_rate:
                 best, best_rate = k, rate
-        if best and prefill:
-            share = self.retrieval_won / (self.compared + 2.0)  # two pseudo-rounds in which retrieval lost
-            drafted = max(1.0, remaining * rows * (1 - share))
-            best_rate = drafted / (drafted / best_rate + self.curve.prefill(prefill))
-        return best, best_rate
+        return best, self._cold(best_rate, prefill, remaining) if best else 0.0
+
+    def _cold(self, rate: float, prefill: int, remaining: int) -> float:
+        """A draft rate with the draft's prefill of `prefill` tokens spread over what it is expected to
+        draft: the `remaining` tokens of every row, less the share of rounds retrieval takes."""
+        if not prefill:
+            return rate
+        share = self.retrieval_won / (self.compared + 2.0)  # two pseudo-rounds in which retrieval lost
+        drafted = max(1.0, remaining * self.rows * (1 - share))
+        return drafted / (drafted / rate + self.curve.prefill(prefill))
+
+    def _with_draft(self, retrieved: list[list[float]], k: int, merge: bool, most: int | None) -> float:
+        """Expected tokens per unit of cost of a round that drafts k tokens: in a tree (`merge`) the
+        draft's chain beside the retrieved nodes, in chains each row's better one (its lookup or the
+        draft's chain), the nodes that pay kept (`best_nodes`)."""
+        chain = self.acceptance.draft_reach(k)
+        candidates = [retrieved[0] + chain] if merge else [r if sum(r) > sum(chain) else chain for r in retrieved]
+        return self.best_nodes(candidates, base=k * self.curve.draft_step, most=most)[1]
 
     def stop_rule(self, most: int) -> Callable[[list[float]], bool]:
         """A fresh `keep_drafting(confidences)` for one round, where reading each drafted token's
@@ -303,7 +328,7 @@ class Planner:
         it, whether to draft another, looking no further than `most` tokens. It drafts on while
         stopping at some later length (each further token reaching as `Acceptance.draft` says) beats
         stopping now, for the batch as a whole (tokens summed over rows, per unit of its cost)."""
-        c, price, alpha = self.curve.draft_step, self.curve.verify_price, self.acceptance.draft
+        c, price, alpha = self.curve.draft_step, self.curve.verify_price, self.acceptance.draft_at
         reach: list[float] = []  # per row, P(its drafted tokens so far are all accepted)
         tokens, j = 0.0, 0  # the batch's expected tokens so far; tokens drafted
 
@@ -314,7 +339,7 @@ class Planner:
             tokens, j = (tokens or len(reach)) + sum(reach), j + 1  # each row also emits one token of the target's
             now, tail, gain = tokens / (j * c + price(j + 1)), sum(reach), 0.0
             for later in range(j + 1, most + 1):
-                tail *= alpha[later - 1]
+                tail *= alpha(later - 1)
                 gain += tail
                 if (tokens + gain) / (later * c + price(later + 1)) > now:
                     return True
@@ -332,19 +357,22 @@ class Planner:
         return length
 
     def plan(self, retrieved: list[list[float]], draft_room: int, prefill: int = 0, remaining: int = 0,
-             most: int | None = None) -> RoundPlan:
+             most: int | None = None, merge: bool = False) -> RoundPlan:
         """This round: per row the reach of each retrieved node (`best_nodes`), at most `draft_room`
         draft tokens (0: the draft cannot run), the draft's `prefill` tokens still to encode and the
-        `remaining` tokens to generate, at most `most` nodes per round (trees)."""
+        `remaining` tokens to generate, at most `most` nodes per round; `merge`: a tree round (the
+        draft's chain joins the retrieved nodes rather than replacing a row's lookup)."""
         nodes, rate = self.best_nodes(retrieved, most=most)
         if not draft_room:
             return RoundPlan(0, nodes, rate)
         if not self.adaptive:
             return RoundPlan(min(self.max_draft, draft_room), [[] for _ in retrieved], 0.0)
-        k, draft_rate = self.draft_length(min(self.max_draft, draft_room), prefill, remaining)
+        k = self.draft_length(min(self.max_draft, draft_room))[0]
+        warm = self._with_draft(retrieved, k, merge, most)
         if prefill:  # would retrieval take this round from a draft already warm?
             self.compared += 1
-            self.retrieval_won += float(rate >= self.draft_length(min(self.max_draft, draft_room))[1])
+            self.retrieval_won += float(rate >= warm)
+        draft_rate = self._cold(warm, prefill, remaining)
         if draft_rate > rate:
             return RoundPlan(k, [[] for _ in retrieved], draft_rate)
         plain = self.rows / self.curve.verify_price(1)

@@ -225,7 +225,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     acceptance = planner.acceptance.lookup_at(size)
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
-    trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most)
+    trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
     if not plan.draft:
         keep = plan.nodes[0]
         if not keep:

@@ -150,7 +150,8 @@ def test_draft_acceptance_per_depth_and_calibration():
         acceptance.observe_draft(drafted=4, accepted=1, first_hit=True, confidences=[0.95, 0.15, 0.5, 0.5], weight=0.2)
     reach = acceptance.draft_reach(4)
     assert reach[0] > 0.99 and reach[1] < 0.01
-    assert acceptance.draft[2:] == pytest.approx([0.7, 0.7])  # never reached: the prior stands
+    assert acceptance.draft_seen[2:] == [0, 0]  # never reached: the pooled estimate of deeper tokens stands in
+    assert acceptance.draft_at(2) == acceptance.draft_at(3) == acceptance.pooled < 0.05
     assert acceptance.calibrated(0.95) > 0.9 and acceptance.calibrated(0.15) < 0.1  # confidence as it turned out
     assert acceptance.calibrated(0.55) == pytest.approx(0.55)  # an untouched bin: its centre
 
@@ -202,7 +203,7 @@ def test_best_nodes_keep_the_prefix_of_best_first_nodes_with_the_best_rate():
 
 def test_the_draft_length_maximises_expected_tokens_per_cost():
     planner = Planner(8, costs=Costs(draft_step=0.1, verify=0.02))
-    planner.acceptance.draft = [0.9] * 8
+    planner.acceptance.draft, planner.acceptance.draft_seen = [0.9] * 8, [1] * 8
     k, rate = planner.draft_length(8)
     rates = [(1 + sum(0.9 ** i for i in range(1, j + 1))) / (j * 0.1 + 1 + 0.02 * j) for j in range(1, 9)]
     assert k == 1 + rates.index(max(rates)) and rate == pytest.approx(max(rates))
@@ -224,7 +225,7 @@ def test_the_plan_drafts_when_that_beats_retrieval_and_plain_steps():
 
 def test_drafting_that_does_not_pay_is_probed_with_backoff():
     planner = Planner(4, costs=Costs(draft_step=0.9, verify=0.05))
-    planner.acceptance.draft = [0.1] * 4
+    planner.acceptance.draft, planner.acceptance.draft_seen = [0.1] * 4, [1] * 4
     waits = []
     for _ in range(3):
         rounds = 0

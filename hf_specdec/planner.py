@@ -1,40 +1,25 @@
 """The round planner: what each round verifies, chosen by expected tokens per unit of cost.
 
-Units: a target forward over one new token costs 1. The planner has three parts.
+Units: a target forward over one new token costs 1. Three parts (docs/design.md#the-planner):
 
-* `CostCurve`: what a target forward over w new tokens costs at the batch's row count, what one
-  draft forward costs (c), and the draft's encoding of one prompt token. Pinned (`Costs`), or
-  measured online: each width's running mean time once it was timed `TIMED` times, a least-squares
-  line through those means for the widths not timed yet, and before two widths are timed a line of
-  slope d0, measured from the prompt's encoding and the first one-token step (the first two rounds
-  are plain while nothing is pinned): d0 = (T_prompt / T_step - 1) / (n - 1). A machine that
-  computes a wide forward at the cost of as many steps has d0 near 1, and nothing is drafted there.
-* `Acceptance`: per source, the chance that a proposed node is accepted. The draft model: per
-  depth i the running P(token i accepted | tokens before it were), which plans how far to draft,
-  and a calibration of the draft's own confidence (its probability of the token) against what the
-  target accepted, which prices the nodes it did draft. Retrieval: per size of the n-gram match a
-  continuation follows, the running acceptance of its tokens; a retrieved continuation the round did
-  not verify is scored against the tokens the round emitted (each emitted token is distributed as p,
-  so that is what verifying it would have accepted it with): every size learns every round, free.
-* `Planner.plan`: one rule for a row, a batch and a tree. Candidate nodes (the retrieved ones, each
-  with its estimated reach: the chance it and its ancestors are accepted) are taken best first, a
-  parent before its children, and the prefix of that order with the most expected tokens per unit
-  of cost is kept (`best_nodes`; one row's forward widens by one column a node, a batch's by its
-  longest chain). The draft model is planned the same way before it runs, from its per-depth
-  acceptance: k tokens cost k c, reach the products of the depths' acceptances, and k is the length
-  with the best rate; it runs when that rate beats retrieval's. Once drafted, its tokens are priced
-  by their calibrated confidences and `best_nodes` picks the nodes to verify among them and the
-  retrieved ones (the k forwards are spent either way). A cold draft also pays its prompt's
-  encoding P: spread over the tokens it is expected to draft, R (1 - s) for R tokens still to
-  generate and s the share of rounds so far in which retrieval beat a warm draft, its rate becomes
-  D / (D / rate + P). Drafting that does not pay is retried after `PROBE` rounds without it (the
-  wait doubles after a probe that did not pay, up to `MAX_PROBE`), so its estimates stay current.
+* `CostCurve`: a target forward over w new tokens at the batch's row count, a draft step (c), the
+  draft's encoding of a prompt token. Pinned (`Costs`), or measured online: each width's running mean
+  once timed `TIMED` times, a least-squares line through those means for the others, and before that
+  a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
+* `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
+  were), and its confidence calibrated against what the target accepted; for retrieval, per size of
+  the n-gram match, learned from lookups verified and from those scored against the emitted tokens.
+* `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted))
+  are taken best first and the prefix with the most expected tokens per unit of cost is kept
+  (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
+  draft runs when its planned chain (`draft_length`; a cold draft also pays its prefill, spread over
+  what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
+  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds without
+  it (doubling after a failed try, up to `MAX_PROBE`).
 
-Exactness does not depend on any of this: every decision is a function of the past rounds and of
-the draft's own proposals, never of the uniforms that verify them, and each proposed token is
-verified by the rejection rule. Measured costs come from wall time, so what is drafted (and which
-random numbers a seeded run consumes) depends on timing; pin `costs=` for runs that must repeat.
-Pure Python, no torch: the loop hands the planner host numbers only.
+Exactness does not depend on any of this: every decision is a function of the past rounds and of the
+draft's own tokens before the one decided on, never of the uniforms that verify them. Measured costs
+come from wall time, so seeded runs repeat only with `costs=` pinned. Pure Python, host numbers only.
 """
 
 from __future__ import annotations
@@ -43,6 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .config import PREFILL_RATIO, Costs
+from .stats import CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
 TIMED = 3  # rounds of a width timed before its own mean prices it
@@ -52,7 +38,6 @@ PRIOR_SLOPE = 0.03  # d per row before anything is timed: memory-bound verificat
 PRIOR_DRAFT, PRIOR_LOOKUP = 0.7, 0.8  # acceptance priors (optimistic, so each source is tried)
 BINS, BIN_PRIOR = 10, 2.0  # confidence calibration: bins, pseudo-observations per bin
 PROBE, MAX_PROBE = 8, 64  # rounds without the draft before it is tried again (doubling after a failed try)
-SLOW_VERIFY = 0.3  # d at or above this: a wide forward costs several steps, little can pay
 
 
 def _ema(old: float, new: float, weight: float) -> float:
@@ -400,36 +385,10 @@ class Planner:
         """A round without the draft model (plain, or retrieval only)."""
         self.without_draft += 1
 
-    def estimates(self) -> "CostEstimates":
+    def estimates(self) -> CostEstimates:
         """The estimates as they stand (the output's `cost_model`)."""
         d = self.curve.verify_price(2) - 1.0
         first = self.acceptance.draft[0] if self.acceptance.draft else 0.0
         return CostEstimates(draft_cost=self.curve.draft_step, verify_cost=d, measured_verify_cost=self.curve.slope0,
                              first_acceptance=first, drafting_pays=first > self.curve.draft_step + d,
                              pinned=self.curve.pinned is not None)
-
-
-@dataclass(frozen=True)
-class CostEstimates:
-    """The planner's estimates at the end of a generate call, in target steps: a drafted token pays
-    for itself only when its chance of acceptance beats `draft_cost + verify_cost`."""
-
-    draft_cost: float  # c: one draft forward
-    verify_cost: float  # d: one more token in the verifying forward (price of 2 tokens less 1)
-    measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
-    first_acceptance: float  # running acceptance of the first draft token
-    drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
-    pinned: bool  # the prices were given (costs=), not measured
-
-    def describe(self) -> str:
-        """One line for a person: the costs and whether a drafted token pays on this machine."""
-        how = "pinned" if self.pinned else "measured"
-        line = (f"draft step c = {self.draft_cost:.2f}, verify d = {self.verify_cost:.2f} a token ({how}): "
-                f"a drafted token pays when accepted more often than c + d = {self.draft_cost + self.verify_cost:.2f}"
-                f" (first-token acceptance {self.first_acceptance:.2f})")
-        if self.verify_cost >= SLOW_VERIFY:
-            line += (f"; here one more token in a forward costs {self.verify_cost:.2f} of a step, so little can pay: "
-                     "speculation needs a forward bound by reading the weights (a GPU, a CPU with bf16 "
-                     "instructions such as AVX-512 BF16 or AMX for a bf16 model, or on other CPUs a float32 "
-                     "target packed for oneDNN: hf_specdec.pack_linears, CLI --pack)")
-        return line

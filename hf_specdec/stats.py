@@ -168,3 +168,33 @@ def geometric_tokens_per_round(acceptance: float, k: int) -> float:
     if acceptance >= 1:
         return k + 1.0
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)
+
+
+# d at or above this (target steps a token): a wide forward costs several steps, little can pay.
+SLOW_VERIFY = 0.3
+
+
+@dataclass(frozen=True)
+class CostEstimates:
+    """The planner's estimates at the end of a generate call, in target steps: a drafted token pays
+    for itself only when its chance of acceptance beats `draft_cost + verify_cost`."""
+
+    draft_cost: float  # c: one draft forward
+    verify_cost: float  # d: one more token in the verifying forward (price of 2 tokens less 1)
+    measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
+    first_acceptance: float  # running acceptance of the first draft token
+    drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
+    pinned: bool  # the prices were given (costs=), not measured
+
+    def describe(self) -> str:
+        """One line for a person: the costs and whether a drafted token pays on this machine."""
+        how = "pinned" if self.pinned else "measured"
+        line = (f"draft step c = {self.draft_cost:.2f}, verify d = {self.verify_cost:.2f} a token ({how}): "
+                f"a drafted token pays when accepted more often than c + d = {self.draft_cost + self.verify_cost:.2f}"
+                f" (first-token acceptance {self.first_acceptance:.2f})")
+        if self.verify_cost >= SLOW_VERIFY:
+            line += (f"; here one more token in a forward costs {self.verify_cost:.2f} of a step, so little can pay: "
+                     "speculation needs a forward bound by reading the weights (a GPU, a CPU with bf16 "
+                     "instructions such as AVX-512 BF16 or AMX for a bf16 model, or on other CPUs a float32 "
+                     "target packed for oneDNN: hf_specdec.pack_linears, CLI --pack)")
+        return line

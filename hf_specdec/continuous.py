@@ -29,7 +29,7 @@ complete result (`.results`) and which requests never started (`.first_not_start
 plain `generate()` would give it alone.
 
 Not for: sliding-window or linear-attention models (rows join by gathering cache columns), a
-`draft_window`, trees (batches use chains), `draft_vocab_size`, streamers, `min_new_tokens`.
+`draft_window`, trees (batches use chains), streamers, `min_new_tokens`.
 """
 
 from __future__ import annotations

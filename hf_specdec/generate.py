@@ -131,7 +131,7 @@ _MEASURED_VERIFY_COSTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 class Clock:
     """Wall time. On CUDA the device's queued work is waited for only when someone reads the times
-    to decide something (the cost model); times that only feed statistics are host times there."""
+    to decide something (the planner); times that only feed statistics are host times there."""
 
     def __init__(self, device: torch.device, synchronize: bool):
         self.synchronize = synchronize and device.type == "cuda"

@@ -37,7 +37,7 @@ class RoundRecord:
     # or "" when nothing was accepted.
     accepted_from: str = ""
     cache_length: int = 0  # columns the target's cache holds after the round (holes and padding included)
-    # Tree rounds (one row): the cost model's estimate, per proposed node, of the probability that
+    # Tree rounds (one row): the planner's estimate, per proposed node, of the probability that
     # verification reaches and accepts it (what it chose the tree on; their sum is the accepted
     # tokens it expected). None where it made no such estimate.
     estimated_acceptance: list[float] | None = None
@@ -57,7 +57,7 @@ class AcceptanceStats:
     draft_forwards: int = 0
     target_forwards: int = 0
     ngram_rounds: int = 0  # rounds whose proposal came from n-gram lookup (hybrid drafting)
-    plain_rounds: int = 0  # rounds that drafted nothing (the cost model fell back to plain decoding)
+    plain_rounds: int = 0  # rounds that drafted nothing (the planner chose a plain step)
     draft_seconds: float = 0.0  # wall time inside draft forwards and draft sampling
     target_seconds: float = 0.0  # wall time inside target forwards
     # Index i counts draft position i + 1: how often it was drafted, reached (every earlier position

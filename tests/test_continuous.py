@@ -7,7 +7,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 import hf_specdec
-import hf_specdec.generate as generate_module
+import hf_specdec.rounds as rounds_module
 from conftest import chi_square_against, perturbed, tiny_model
 from hf_specdec.cache import UnsupportedCacheError, add_row
 from test_exactness import ALPHA, NEW, SAMPLING, exact_joint, spec_kwargs
@@ -36,7 +36,7 @@ class JoinSpy:
 
     def __init__(self, monkeypatch):
         self.warm_joins = 0
-        monkeypatch.setattr(generate_module, "add_row", self)
+        monkeypatch.setattr(rounds_module, "add_row", self)
 
     def __call__(self, model, cache, ids, mask):
         self.warm_joins += cache.get_seq_length() > 0
@@ -172,7 +172,7 @@ def test_broken_join_is_detected(stream_pair, monkeypatch):
             return
         add_row(model, cache, ids, mask)
 
-    monkeypatch.setattr(generate_module, "add_row", wrong_context)
+    monkeypatch.setattr(rounds_module, "add_row", wrong_context)
     pvalues = []
     for row, (law, samples) in enumerate(zip(laws, sample_stream(target, draft, seed=8))):
         impossible = sum(s not in law for s in samples)  # sequences the target gives probability 0

@@ -152,7 +152,7 @@ class Drafter(ABC):
 
     def prefill_tokens(self, width: int) -> int:
         """Tokens this source must encode before it can propose for a sequence of `width` tokens
-        (a draft model's prompt, while its cache is empty); the cost model counts them. 0 once warm."""
+        (a draft model's prompt, while its cache is empty); the planner prices them. 0 once warm."""
         return 0
 
     def update(self, ids: torch.Tensor, target_scores: torch.Tensor, num_accepted: int) -> None:

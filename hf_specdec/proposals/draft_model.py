@@ -221,7 +221,7 @@ class DraftModelDrafter(Drafter):
 class DraftCandidateGenerator(CandidateGenerator, Drafter):
     """transformers' `CandidateGenerator` contract over `DraftModelDrafter`, one unpadded batch at a time.
     It is a `Drafter` too: passed as `candidate_generator=`, it drafts through its `DraftModelDrafter`
-    (cost model, batches and all), with a fresh cache per call.
+    (planner, batches and all), with a fresh cache per call.
 
     `get_candidates(input_ids)` returns `(candidate_ids, candidate_logits)`:
       * candidate_ids:    [batch, seq + k] the input followed by k draft tokens;

@@ -2,25 +2,23 @@
 that the target verifies in one forward.
 
 A tree is stored flat: node j has a token and a parent (-1: the row's last real token, the root), and
-parents come before their children. Children of a node are tried in node order, so the first child
-of a node may be the draft model's sampled token (tested against its q) and every later child is a
-point mass (`hf_specdec.verify.tree_speculative_sampling` states the rule and why it is exact).
+parents come before their children. Trees are verified greedily (`hf_specdec.verify.greedy_tree_verification`):
+the walk follows the target's argmax, so every node is a point mass and the output is plain greedy's.
 
 Retrieval (`ngram_continuations`): every earlier occurrence of the sequence's last n tokens (the
 longest n that occurs, as in prompt lookup), most recent first, contributes the tokens that followed
 it. Merged into a trie, each node counts the occurrences that pass through it, so count(child) /
-count(node) estimates how often the text continued that way. It is a scan over the sequence (one
-`unfold` per n), not a suffix automaton: at the few thousand tokens a generate call sees, the scan
-costs well under a millisecond.
+count(node) estimates how often the text continued that way. It is a scan over the row's host copy,
+not a suffix automaton: at the few thousand tokens a generate call sees, it costs well under a
+millisecond and reads nothing from the device.
 
 Draft-model siblings: for a greedy draft, the draft's runner-up at each chain position is added as a
 point-mass sibling of the chain node (a leaf: it is not expanded, so it costs no draft forward). The
-draft does not draft whole tree levels; a sampled draft adds no siblings (a point mass tested
-against the residual max(0, p - q) after its sampled sibling is rarely accepted).
+draft does not draft whole tree levels.
 
-Which nodes are verified is the cost model's choice (`DraftPolicy.select_nodes`): every node gets an
-estimated probability that verification reaches and accepts it, and nodes are added, best first,
-while they raise the round's expected tokens per unit of cost.
+Which nodes are verified is the planner's choice (`Planner.best_nodes`): every node gets an
+estimated probability that verification reaches and accepts it (`retrieval_reach`), and nodes are
+taken best first while they raise the round's expected tokens per unit of cost.
 """
 
 from __future__ import annotations

@@ -426,12 +426,12 @@ def test_point_mass_proposals_are_exact(pair):
     assert law_pvalue(law, samples, "point-mass q (foreign generator)") > ALPHA
 
 
-@pytest.mark.slow  # ~30 s; a single row's chain is cut by its own confidences far more often than a batch row's
+@pytest.mark.slow  # ~45 s; a single row's stop rule sees one row's confidences, a batch's the sum over rows
 def test_single_row_adaptive_draft_lengths_are_exact(pair):
-    """test_adaptive_draft_lengths_are_exact with one call a sample: the planner cuts a lone row's chain
-    wherever its next token's calibrated confidence no longer pays for the wider forward."""
+    """test_adaptive_draft_lengths_are_exact with one call a sample: the stop rule ends a lone row's
+    chain where its confidences so far say the next token no longer pays for the wider forward."""
     target, draft, law = pair
     records = []
     samples = sample_sequences(target, 21, acceptance_sink=records.append, **levers_kwargs(draft, 0.05, verify=0.3))
-    assert Counter(len(r.draft_tokens) for r in records if r.source == DRAFT)[0] > SAMPLES // 10  # cut to nothing
+    assert len(Counter(len(r.draft_tokens) for r in records if r.source == DRAFT)) > 1  # lengths differ
     assert law_pvalue(law, samples, "single-row calls, adaptive lengths") > ALPHA

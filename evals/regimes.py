@@ -14,6 +14,8 @@ from the costs it is given, is replayed once per regime (`evals/replay.py --cost
     # the table: per regime, mode and category, the planner's median modelled speedup over plain
     # against the best fixed strategy's (plain; lookup-only chains: transformers' prompt lookup, from
     # the records; draft chains with k = 2, 4, 6, 8)
+    # old code against new under one table (medians per category, and paired per prompt)
+    python evals/regimes.py compare --cost-table evals/results/standard/cost_table.json --old runs/old --new runs/new
     python evals/regimes.py table --regime bf16=evals/results/standard/cost_table.json:runs/new-bf16 \\
         --regime accel=evals/results/gpu-handwritten/cost_table.json:runs/new-accel \\
         --fixed runs/fixed-greedy runs/fixed-k2 runs/fixed-k4 runs/fixed-k6 runs/fixed-k8
@@ -152,6 +154,36 @@ def table_command(args) -> dict:
     return summary
 
 
+def compare_command(args) -> None:
+    """Old code against new, one cost table: per mode and category the median modelled speedup of
+    each, their ratio, and the paired geometric mean over prompts of new / old modelled time per token."""
+    records = read_records(Path(args.records))
+    plain = {(r["mode"], r["id"]): r for r in records if r["method"] == "plain"}
+    table = CostTable.load(Path(args.cost_table))
+    if "hf" not in table.forwards:
+        table.alias("hf", "bf16")
+    runs = [[json.loads(x) for x in open(Path(d) / "replay.jsonl")] for d in (args.old, args.new)]
+    old, new = (medians(rows, plain, table, "hf_specdec") for rows in runs)
+    per_token = [{(r["mode"], r["id"]): table.modelled_seconds(r["work"], r["mode"], "hf_specdec") / r["new_tokens"]
+                  for r in rows} for rows in runs]
+    lines = []
+    for mode in sorted(new):
+        lines += [f"### {mode}", "", "| category | old | new | new / old (medians) | paired, geometric mean of old / new time per token |",
+                  "|---|---|---|---|---|"]
+        for category in sorted(new[mode]):
+            keys = [k for k in per_token[1] if k[0] == mode and k in per_token[0]
+                    and next(r["category"] for r in runs[1] if (r["mode"], r["id"]) == k) == category]
+            paired = geometric_mean(per_token[0][k] / per_token[1][k] for k in keys)
+            lines.append(f"| {category} | {old[mode][category]:.2f} | {new[mode][category]:.2f} | "
+                         f"{new[mode][category] / old[mode][category]:.3f} | {paired:.3f} |")
+        go, gn = geometric_mean(old[mode].values()), geometric_mean(new[mode].values())
+        lines += [f"| **geometric mean** | **{go:.2f}** | **{gn:.2f}** | **{gn / go:.3f}** | |", ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -165,10 +197,18 @@ def main(argv=None) -> None:
     tab.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR")
     tab.add_argument("--fixed", nargs="+", default=[], help="folders with replay.jsonl of fixed strategies")
     tab.add_argument("--out", default=None, help="write the markdown table here")
+    cmp = sub.add_parser("compare", help="old code against new under one cost table")
+    cmp.add_argument("--records", default=str(STANDARD))
+    cmp.add_argument("--cost-table", required=True)
+    cmp.add_argument("--old", required=True, help="replay folder of the old code")
+    cmp.add_argument("--new", required=True, help="replay folder of the new code")
+    cmp.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.command == "simulate":
         apply_threads(args.threads)
         simulate(args)
+    elif args.command == "compare":
+        compare_command(args)
     else:
         table_command(args)
 

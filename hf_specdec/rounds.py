@@ -132,14 +132,6 @@ def _lookup_reach(state: DecodeState, tokens: list[int], size: int) -> list[floa
     return out
 
 
-def _draft_reach(state: DecodeState, confidences: list[float]) -> list[float]:
-    """P(drafted tokens 1..i all accepted), from the draft's calibrated confidences."""
-    out = []
-    for c in confidences:
-        out.append(state.planner.acceptance.calibrated(c) * (out[-1] if out else 1.0))
-    return out
-
-
 def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
     """Chains, for one row or a batch: per row its lookup or the draft model's chain, as the planner
     says; each row's length its own (verified with per-row lengths, a row of length 0 a plain step).
@@ -158,10 +150,11 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     expected = sum(planner.acceptance.draft_reach(plan.draft))  # a draft row's expected accepted tokens
     use_lookup = [sum(r) > expected for r in reach]
     trace.unverified = {r: tokens for r, (tokens, _) in enumerate(lookups) if tokens and not use_lookup[r]}
-    chain = _draft(state, request, plan)
+    chain, stopped = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:  # verified as drafted
         return chain
-    drafted = planner.stopped_length(chain.confidences, request.max_tokens)
+    # the stop rule already ended a chain drafted token by token; a planned one is cut by it now
+    drafted = chain.num_tokens if stopped else planner.stopped_length(chain.confidences, request.max_tokens)
     retrieved = [tokens[: len(planner.best_nodes([r])[0][0])] if lookup else None
                  for (tokens, _), r, lookup in zip(lookups, reach, use_lookup)]
     if not any(use_lookup):
@@ -169,13 +162,14 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
 
 
-def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> Proposal:
-    """The draft model's chain: where reading the device is free (the CPU), drafted token by token
-    while the planner's stop rule says the next one pays; elsewhere the planned length, read once."""
+def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> tuple[Proposal, bool]:
+    """(the draft model's chain, whether the stop rule already ended it): where reading the device is
+    free (the CPU), drafted token by token while the planner's stop rule says the next one pays;
+    elsewhere the planned length, read once."""
     if state.planner.adaptive and not plan.probe and reads_are_free(request.ids.device):
         stop = state.planner.stop_rule(request.max_tokens)
-        return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop))
-    return state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft))
+        return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop)), True
+    return state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft)), False
 
 
 def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:
@@ -233,7 +227,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
             return Proposal.nothing(1, device)
         trace.estimates = [reach[j] for j in keep]
         return tree_proposal(retrieved, keep, None, NGRAM, device)
-    chain = _draft(state, request, plan)
+    chain, _ = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:
         trace.unverified = {0: continuations[0]} if continuations else {}
         return chain

@@ -63,14 +63,14 @@ def test_a_tied_head_gets_its_own_packed_copy():
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_speculative_decoding_on_a_packed_target_equals_its_plain_greedy(arch):
     target = tiny_model(arch, seed=3)
-    draft = perturbed(target, 0.3)
+    draft = perturbed(target, 0.1)  # accepted 10-18 times per run, pinned; at 0.3 once or twice
     pack_linears(target)
     prompt = torch.tensor([[1, 5, 2, 7, 9, 4]])
     plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
     for trees in (True, False):
         out = target.generate(
             prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
-            max_new_tokens=40, tree=trees, return_dict_in_generate=True,
+            max_new_tokens=40, tree=trees, return_dict_in_generate=True, **PINNED,  # measured costs can find no gain (CI)
         )
         assert torch.equal(out.sequences, plain), trees
         assert out.acceptance.drafted > 0 and out.acceptance.accepted > 0  # the draft ran and was verified

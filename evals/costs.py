@@ -15,9 +15,9 @@ modelled seconds = sum over forwards of their price + positions x the position p
 forward from an empty cache scores one position and any other forward one per new token.
 modelled speedup = (new tokens / modelled seconds) / (plain's new tokens / plain's modelled seconds).
 
-The table also gives hf_specdec pinned costs (`pinned_costs`): the draft/target step ratio and the
-per-token verify cost, so that its cost model decides from the table, not from the clock, and a
-greedy run repeats exactly (tokens, rounds, modelled time).
+The table also gives hf_specdec pinned costs (`pinned_costs`): the draft/target step ratio and each
+verify width's price (with the mode's price per scored position), so that its cost model decides
+from the table, not from the clock, and a run repeats exactly (tokens, rounds, modelled time).
 """
 
 from __future__ import annotations
@@ -69,15 +69,20 @@ class CostTable:
                 positions += width if model == "target" and context > 0 else 1
         return seconds + positions * self.position[mode][engine]
 
-    def pinned_costs(self, context: int, draft: str = "hf", window: int | None = 256) -> dict:
+    def pinned_costs(self, context: int, draft: str = "hf", window: int | None = 256, mode: str | None = None) -> dict:
         """hf_specdec's prices at `context`, as the keyword argument `costs=` (an `hf_specdec.Costs`):
         the draft step over the target step, every verify width's price up to the widest measured,
         and the draft's prefill per token (over the prompt's last `window` tokens; None: the whole
-        prompt); all over the target step."""
-        step = self.forward("target", 1, context)
-        curve = tuple(round(self.forward("target", w, context) / step, 4) for w in range(1, self.widths[-1] + 1))
+        prompt); all over the target step. With `mode`, each scored position's processing is priced as
+        `modelled_seconds` prices it (a target forward over w tokens scores w positions, a draft step
+        and a plain step one): in sampling on this CPU a position costs 7% of a step (top-p sorts the
+        vocabulary), so a long lookup chain is dearer than its forward alone."""
+        position = self.position[mode]["hf_specdec"] if mode else 0.0
+        step = self.forward("target", 1, context) + position
+        curve = tuple(round((self.forward("target", w, context) + w * position) / step, 4)
+                      for w in range(1, self.widths[-1] + 1))
         encoded = min(context, window or context)  # the tokens the draft's prefill encodes
-        return dict(costs=hf_specdec.Costs(draft_step=self.forward(draft, 1, context) / step, verify=curve,
+        return dict(costs=hf_specdec.Costs(draft_step=(self.forward(draft, 1, context) + position) / step, verify=curve,
                                            draft_prefill=self.forward(draft, encoded, 0) / encoded / step))
 
     def alias(self, name: str, like: str) -> None:

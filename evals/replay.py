@@ -69,7 +69,7 @@ def replay_prompt(target, draft, prompt: dict, mode: str, seed: int, table: Cost
     """One hf_specdec call on `prompt` with costs pinned from `table`; its record."""
     ids = torch.tensor([prompt["input_ids"]])
     window = hf_specdec.SpeculativeConfig().window_for(mode == "sampling")
-    pins = table.pinned_costs(ids.shape[1], "hf", window)
+    pins = table.pinned_costs(ids.shape[1], "hf", window, mode)
     rounds = []
     for timer in timers.values():
         timer.take()

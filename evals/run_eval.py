@@ -176,7 +176,7 @@ def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts
     records = []
     for mode in config.modes:
         window = hf_specdec.SpeculativeConfig().window_for(bool(MODES[mode].get("do_sample")))  # the default's
-        pins = {name: table.pinned_costs(input_ids.shape[1], name, window) for name in drafts}
+        pins = {name: table.pinned_costs(input_ids.shape[1], name, window, mode) for name in drafts}
         plain = None  # (record, sequences, scores) of plain decoding in this mode
         for method in config.methods:
             for timer in timers.values():

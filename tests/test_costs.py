@@ -57,6 +57,11 @@ def test_pinned_costs_and_drift_from_the_table():
     dip = hand_table()
     dip.forwards["target"][0][1] = 0.8  # 3 tokens cheaper than 1 at context 100: the curve shows it
     assert dip.pinned_costs(100)["costs"].verify[:3] == pytest.approx([1.0, 0.9, 0.8])
+    # with a mode, each scored position's processing is priced as modelled_seconds prices it:
+    # a step is 1 s + 2 ms, a forward over w tokens 1 + 0.1 (w - 1) s + w * 2 ms, a draft step 0.1 s + 2 ms
+    greedy = table.pinned_costs(100, mode="greedy")["costs"]
+    assert greedy.verify[:3] == pytest.approx([1.0, 1.104 / 1.002, 1.206 / 1.002], abs=1e-4)  # rounded to 4 places
+    assert greedy.draft_step == pytest.approx(0.102 / 1.002)
     other = hand_table()
     other.forwards["target"][1][2] *= 1.25
     assert table.drift(other) == pytest.approx(0.25)

@@ -202,6 +202,8 @@ REMOVED_SETTINGS = {
     **{name: "the planner has no such lever any more (docs/design.md)"
        for name in ("prefill_patience", "ngram_depths", "ngram_max_tokens", "ngram_match_cap", "tree_max_branches")},
     "draft_vocab_size": "the reduced-vocabulary draft head was removed (it did not pay on the standard preset)",
+    "draft_temperature": "the draft is warped exactly like the target (a setting off by default, never measured to pay); "
+                         "a differently warped draft can be passed as candidate_generator=hf_specdec.DraftModelDrafter(...)",
 }
 
 

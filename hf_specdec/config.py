@@ -64,9 +64,6 @@ class SpeculativeConfig:
 
     # Draft-model tokens per round: the most the planner drafts (`adaptive`), or every round's count.
     num_draft_tokens: int = 8
-    # A temperature for the draft only (q hotter or colder than p). None: the draft is warped exactly
-    # like the target. Exact for any q: q is always the distribution the draft token was drawn from.
-    draft_temperature: float | None = None
     # The planner chooses each round's proposal by expected tokens per unit of cost (`hf_specdec.planner`).
     # False: the draft model drafts num_draft_tokens every round (lookups still compete with it).
     adaptive: bool = True
@@ -110,8 +107,6 @@ class SpeculativeConfig:
         for name in ("adaptive", "ngram", "tree"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.draft_temperature is not None:
-            _check_number("draft_temperature", self.draft_temperature, positive=True)
         window = self.draft_window
         if window is not None and window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"draft_window must be a positive integer, None or 'auto', got {window!r}")

@@ -30,7 +30,7 @@ from .cache import UnsupportedCacheError, can_gather, make_rollbackable, new_cac
 from .config import Costs, SpeculativeConfig
 from .continuous import Requests
 from .planner import CostEstimates, Planner
-from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter, with_draft_temperature
+from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
 from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
@@ -68,7 +68,6 @@ def speculative_generate(
     requests: Requests | None = None,
     # --- the `SpeculativeConfig` settings, one by one (None: the config's, or the default) ---
     num_draft_tokens: int | None = None,
-    draft_temperature: float | None = None,
     adaptive: bool | None = None,
     ngram: bool | None = None,
     ngram_max_size: int | None = None,
@@ -223,14 +222,11 @@ def _drafter(
         return candidate_generator, False
     if candidate_generator is not None:
         return CandidateGeneratorDrafter(candidate_generator), True
-    draft_processor = logits_processor
-    if config.draft_temperature is not None and generation_config.do_sample:
-        draft_processor = with_draft_temperature(logits_processor, config.draft_temperature)
     # The window needs full-attention layers (zero columns hidden by the mask) and a single row.
     window = None
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):
         window = config.window_for(bool(generation_config.do_sample))
-    return DraftModelDrafter(assistant, draft_processor, bool(generation_config.do_sample), generator, window=window), False
+    return DraftModelDrafter(assistant, logits_processor, bool(generation_config.do_sample), generator, window=window), False
 
 
 def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:

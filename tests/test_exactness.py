@@ -232,10 +232,15 @@ def test_broken_variant_unprocessed_q_is_detected(pair):
     assert law_pvalue(law, samples, "BROKEN (unprocessed q)") < ALPHA
 
 
-def test_sampling_is_exact_with_a_hotter_draft_temperature(pair):
+def test_sampling_is_exact_with_a_hotter_draft(pair):
+    """A draft warped otherwise than the target (temperature 1.6 against 0.8), passed as a drafter: q is
+    still the distribution each draft token was drawn from, so the output is the target's."""
     target, draft, law = pair
-    (samples,) = sample_rows(target, 3, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(draft, draft_temperature=1.6))
-    assert law_pvalue(law, samples, "draft_temperature=1.6") > ALPHA
+    hot = LogitsProcessorList([p if not isinstance(p, TemperatureLogitsWarper) else TemperatureLogitsWarper(1.6)
+                               for p in processors()])
+    hotter = DraftModelDrafter(draft, hot, do_sample=True)
+    (samples,) = sample_rows(target, 3, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=hotter))
+    assert law_pvalue(law, samples, "a draft at temperature 1.6") > ALPHA
 
 
 def test_sampling_is_exact_with_a_large_vocabulary():

@@ -373,7 +373,7 @@ def test_spec_streamer_and_the_directory_form_stream_every_token(models):
 @pytest.mark.parametrize("kwargs, name", [
     (dict(num_draft_tokens=True), "num_draft_tokens"), (dict(num_draft_tokens=2.0), "num_draft_tokens"),
     (dict(adaptive=1), "adaptive"), (dict(ngram="no"), "ngram"), (dict(costs=float("nan")), "costs"),
-    (dict(draft_window=True), "draft_window"), (dict(draft_temperature=0), "draft_temperature"),
+    (dict(draft_window=True), "draft_window"),
     (dict(generator=0), "generator"), (dict(acceptance_sink=3), "acceptance_sink"),
     (dict(spec_streamer=object()), "spec_streamer"), (dict(speculative_config={"num_draft_tokens": 2}), "speculative_config"),
 ])

@@ -7,7 +7,7 @@ through `Drafter.propose` and `Drafter.update` and reads what it needs from the 
 """
 
 from .base import Drafter, DraftRequest, Proposal
-from .draft_model import DraftCandidateGenerator, DraftModelDrafter, with_draft_temperature
+from .draft_model import DraftCandidateGenerator, DraftModelDrafter
 from .foreign import CandidateGeneratorDrafter
 from .ngram import NgramCandidateGenerator, NgramDrafter, ngram_lookup, ngram_match
 
@@ -22,5 +22,4 @@ __all__ = [
     "Proposal",
     "ngram_lookup",
     "ngram_match",
-    "with_draft_temperature",
 ]

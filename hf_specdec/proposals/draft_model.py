@@ -5,18 +5,8 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import LogitsProcessorList, PreTrainedModel, TemperatureLogitsWarper
+from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import (
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitNormalization,
-    MinPLogitsWarper,
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    TypicalLogitsWarper,
-)
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
@@ -24,32 +14,6 @@ from ..stats import DRAFT
 from .base import Drafter, DraftRequest, Proposal
 
 logger = logging.getLogger(__name__)
-
-# Warpers that must see the temperature-scaled scores (transformers applies temperature first).
-_AFTER_TEMPERATURE = (
-    TopHLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-    MinPLogitsWarper,
-    TypicalLogitsWarper,
-    EpsilonLogitsWarper,
-    EtaLogitsWarper,
-    LogitNormalization,
-)
-
-
-def with_draft_temperature(processor: LogitsProcessorList, temperature: float) -> LogitsProcessorList:
-    """The same pipeline with its temperature replaced (or inserted where transformers puts it).
-
-    Used for a draft that should be hotter or colder than the target; exactness is unaffected
-    because the draft token is sampled from, and verified against, this very q.
-    """
-    warper = TemperatureLogitsWarper(temperature)
-    out = LogitsProcessorList(p for p in processor if not isinstance(p, TemperatureLogitsWarper))
-    position = next((i for i, p in enumerate(out) if isinstance(p, _AFTER_TEMPERATURE)), len(out))
-    out.insert(position, warper)
-    return out
-
 
 def context_length(config) -> int | None:
     """The most positions a model reads (`max_position_embeddings`, GPT-2's `n_positions`), or None."""

@@ -36,6 +36,7 @@ from .proposals import (
     Proposal,
 )
 from .quantize import quantize_weights
+from .retrieval import RetrievalCache
 from .self_draft import early_exit_draft
 from .stats import AcceptanceStats, RoundRecord
 from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling
@@ -61,6 +62,7 @@ __all__ = [
     "PackedLinear",
     "Planner",
     "Proposal",
+    "RetrievalCache",
     "RoundRecord",
     "SpeculativeConfig",
     "SpeculativeDecoderOnlyOutput",

@@ -20,6 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 from .cache import check_cache
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
+from .retrieval import RetrievalCache
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -140,7 +141,7 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
 
 
 OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator", "spec_streamer",
-                            "speculative_config"})
+                            "speculative_config", "retrieval_cache"})
 
 
 def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
@@ -149,7 +150,15 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
     calls it too, before it reads its first prompt."""
     _validate_arguments(kwargs.get("assistant"), kwargs.get("acceptance_sink"), kwargs.get("generator"),
                         kwargs.get("spec_streamer"), kwargs.get("speculative_config"))
-    return _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in SETTINGS if k in kwargs})
+    config = _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in SETTINGS if k in kwargs})
+    cache = kwargs.get("retrieval_cache")
+    if cache is not None:
+        if not isinstance(cache, RetrievalCache):
+            raise ValueError(f"retrieval_cache must be an hf_specdec.RetrievalCache, got {type(cache).__name__}")
+        if not (config.ngram and config.adaptive):
+            raise ValueError("retrieval_cache is a retrieval source, planned like in-row lookup: it needs ngram=True "
+                             "and adaptive=True (the defaults)")
+    return config
 
 
 def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:

@@ -31,6 +31,7 @@ from .config import Costs, SpeculativeConfig
 from .continuous import Requests
 from .planner import CostEstimates, Planner
 from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
+from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
 from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
@@ -66,6 +67,7 @@ def speculative_generate(
     spec_streamer: BaseStreamer | None = None,
     speculative_config: SpeculativeConfig | None = None,
     requests: Requests | None = None,
+    retrieval_cache: RetrievalCache | None = None,
     # --- the `SpeculativeConfig` settings, one by one (None: the config's, or the default) ---
     num_draft_tokens: int | None = None,
     adaptive: bool | None = None,
@@ -81,7 +83,8 @@ def speculative_generate(
     """Speculative decoding as a transformers custom generation strategy. Beyond what `generate()`
     passes: the draft (`assistant`, or a `candidate_generator`), `acceptance_sink`, `generator`,
     `spec_streamer`, the `SpeculativeConfig` settings one by one or as `speculative_config` (explicit
-    ones win) and `requests` (continuous batching); docs/usage.md documents each. Returns the
+    ones win), `retrieval_cache` (earlier outputs as a retrieval source; its rows join it) and
+    `requests` (continuous batching); docs/usage.md documents each. Returns the
     sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
     config = check_arguments({k: v for k, v in locals().items() if k in OWN_ARGUMENTS})  # before any model work
     if streamer is None:
@@ -94,6 +97,7 @@ def speculative_generate(
     state = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
         candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
+        retrieval_cache,
     )
     if streamer is None and spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
@@ -101,6 +105,8 @@ def speculative_generate(
         _decode(state)
     finally:
         state.close_sink()
+        if state.lookup is not None:
+            state.lookup.close()  # the call's rows join the cache (they stay searchable in later calls)
     return _finish(state)
 
 
@@ -151,7 +157,7 @@ class DecodeState:
     batch: RaggedBatch  # work sequence with holes, mask, active rows, each row's generated tokens
     processors: RowProcessors  # the target's logits-processor pipeline, per row
     drafter: Drafter  # the draft source: the draft model, or the user's
-    lookup: NgramDrafter | None  # n-gram lookup (per row in a batch), or None
+    lookup: Retrieval | None  # in-row lookup and the retrieval cache (per row in a batch), or None
     trees: bool  # rounds propose trees of candidates (one row, greedy, full-attention caches, config.tree)
     planner: Planner
     config: SpeculativeConfig
@@ -177,7 +183,7 @@ class DecodeState:
 
 def _start(
     model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
-    candidate_generator, generator, streamer, acceptance_sink, model_kwargs, requests=None,
+    candidate_generator, generator, streamer, acceptance_sink, model_kwargs, requests=None, retrieval_cache=None,
 ) -> DecodeState:
     """The state of a fresh call: the draft source, the planner, the batch, the counters."""
     rows = input_ids.shape[0]
@@ -195,7 +201,12 @@ def _start(
     use_lookup = config.ngram and not foreign and planner.adaptive
     trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
              and can_gather((cache, drafter.cache)))
-    lookup = NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees)) if use_lookup else None
+    lookup = None
+    if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
+        if retrieval_cache is None and (rows > 1 or requests is not None):
+            retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
+        lookup = Retrieval(NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees)), retrieval_cache,
+                           planner.acceptance.lookup_at)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .config import PREFILL_RATIO, Costs
-from .stats import CostEstimates
+from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
 TIMED = 3  # rounds of a width timed before its own mean prices it
@@ -152,9 +152,7 @@ class Acceptance:
         self.pooled = PRIOR_DRAFT  # the same for every depth past the first, pooled: where a depth has no estimate yet
         self.hits = [BIN_PRIOR * (b + 0.5) / BINS for b in range(BINS)]  # calibration: accepted per bin
         self.tries = [BIN_PRIOR] * BINS  # ... and reached per bin
-        self.lookup_all = PRIOR_LOOKUP  # retrieved tokens, all match sizes
-        self.lookup: dict[int, float] = {}  # per match size
-        self.lookup_seen: dict[int, int] = {}
+        self.retrieval: dict[str, MatchAcceptance] = {}  # per retrieval source (in-row lookup, the cache)
 
     def draft_at(self, i: int) -> float:
         """P(draft token i + 1 accepted | the ones before it were): its depth's estimate, or the pooled
@@ -175,13 +173,17 @@ class Acceptance:
         b = min(max(int(confidence * BINS), 0), BINS - 1)
         return self.hits[b] / self.tries[b]
 
-    def lookup_at(self, size: int | None) -> float:
-        """The acceptance of a retrieved token after a match of `size` tokens: that size's estimate,
-        or where none yet the nearest shorter size's (a longer match is no weaker a clue)."""
-        if size in self.lookup:
-            return self.lookup[size]
-        shorter = [s for s in self.lookup if size and s < size]
-        return max(self.lookup_all, self.lookup[max(shorter)]) if shorter else self.lookup_all
+    def lookup_at(self, size: int | None, source: str = NGRAM) -> float:
+        """The acceptance of a token `source` retrieved after a match of `size` tokens (`MatchAcceptance`)."""
+        return self.matches(source).at(size)
+
+    def matches(self, source: str = NGRAM) -> "MatchAcceptance":
+        """The acceptance per match size of one retrieval source (created at the prior when first asked)."""
+        return self.retrieval.setdefault(source, MatchAcceptance())
+
+    @property
+    def lookup_seen(self) -> dict[int, int]:
+        return self.matches(NGRAM).seen
 
     def observe_draft(self, drafted: int, accepted: int, first_hit: bool, confidences: Sequence[float] | None,
                       weight: float) -> None:
@@ -199,21 +201,42 @@ class Acceptance:
                 self.hits[b] += float(i < accepted)
                 self.tries[b] += 1
 
-    def observe_lookup(self, size: int | None, accepted: bool) -> None:
-        """One retrieved token reached by verification (or scored against the emitted tokens)."""
-        self.lookup_all = _ema(self.lookup_all, float(accepted), EMA / 2)
-        if size:
-            n = self.lookup_seen.get(size, 0)
-            start = self.lookup.get(size, self.lookup_at(size))
-            self.lookup[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
-            self.lookup_seen[size] = n + 1
+    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM) -> None:
+        """One token `source` retrieved, reached by verification (or scored against the emitted tokens)."""
+        self.matches(source).observe(size, accepted)
 
-    def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None) -> None:
+    def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None,
+                         source: str = NGRAM) -> None:
         """A continuation the round did not verify, against the tokens it emitted (unbiased: see the module)."""
         for mine, actual in zip(proposed, emitted):
-            self.observe_lookup(size, mine == actual)
+            self.observe_lookup(size, mine == actual, source)
             if mine != actual:
                 break
+
+
+class MatchAcceptance:
+    """One retrieval source's acceptance: per size of the match a continuation follows, and pooled."""
+
+    def __init__(self) -> None:
+        self.pooled = PRIOR_LOOKUP  # retrieved tokens, all match sizes
+        self.per_size: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
+
+    def at(self, size: int | None) -> float:
+        """That size's estimate, or where none yet the nearest shorter size's (a longer match is no
+        weaker a clue), or the pooled one."""
+        if size in self.per_size:
+            return self.per_size[size]
+        shorter = [s for s in self.per_size if size and s < size]
+        return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
+
+    def observe(self, size: int | None, accepted: bool) -> None:
+        self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
+        if size:
+            n = self.seen.get(size, 0)
+            start = self.per_size.get(size, self.at(size))
+            self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
+            self.seen[size] = n + 1
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ class Trace:
     lag: int = 0  # columns the draft's cache lacked before it drafted (more than 2: its first forward caught up)
     plan: RoundPlan | None = None
     match_sizes: list[int] = field(default_factory=list)  # per row, the n-gram match its retrieval follows
+    match_sources: list[str] = field(default_factory=list)  # per row, where it was retrieved: NGRAM (the row) or CACHE
     unverified: dict[int, list[int]] = field(default_factory=dict)  # row -> a retrieved continuation not verified
     estimates: list[float] | None = None  # per verified node of one row, P(accepted) as planned
 
@@ -107,6 +108,8 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     """1. Draft. The planner chooses this round's nodes: retrieved ones, the draft model's (drafted,
     then priced by their confidences), or none (a plain target step); the sources propose them."""
     start, batch, planner = state.clock.now(), state.batch, state.planner
+    if state.lookup is not None:
+        state.lookup.sync(batch.prompt_host, batch.generated, batch.rows)  # the rows' new tokens, for each other
     room = 0 if planner.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
@@ -124,9 +127,9 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     return proposal, trace
 
 
-def _lookup_reach(state: DecodeState, tokens: list[int], size: int) -> list[float]:
-    """P(a retrieved chain's tokens 1..i all accepted), at its match size's acceptance."""
-    a, out = state.planner.acceptance.lookup_at(size), []
+def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str) -> list[float]:
+    """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size."""
+    a, out = state.planner.acceptance.lookup_at(size, source), []
     for _ in tokens:
         out.append(a * (out[-1] if out else 1.0))
     return out
@@ -139,9 +142,11 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     verified by the planner's stop rule, each token kept on what the tokens before it said: under
     sampling a drafted token must not be kept or dropped by its own value (that would bias q)."""
     planner, rows = state.planner, state.batch.size
-    lookups = state.lookup.match_rows(dataclasses.replace(request, max_tokens=room)) if state.lookup else [([], 0)] * rows
-    trace.match_sizes = [size for _, size in lookups]
-    reach = [_lookup_reach(state, tokens, size) for tokens, size in lookups]
+    found = (state.lookup.match_rows(dataclasses.replace(request, max_tokens=room), state.batch.rows)
+             if state.lookup else [([], 0, NGRAM)] * rows)
+    lookups = [(tokens, size) for tokens, size, _ in found]
+    trace.match_sizes, trace.match_sources = [size for _, size in lookups], [source for _, _, source in found]
+    reach = [_lookup_reach(state, tokens, size, source) for tokens, size, source in found]
     trace.plan = plan = planner.plan(reach, request.max_tokens, state.drafter.prefill_tokens(request.ids.shape[1]), room)
     if not plan.draft:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
@@ -211,12 +216,13 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     when the planner expects that to beat the draft model; else merged with the draft's chain and its
     runners-up, and the nodes that pay kept (`Planner.best_nodes`)."""
     planner, device, most = state.planner, request.ids.device, state.config.tree_max_nodes
-    continuations, size = state.lookup.retrieve(dataclasses.replace(request, max_tokens=room), TREE_BRANCHES)
-    trace.match_sizes = [size]
+    continuations, size, source = state.lookup.retrieve(dataclasses.replace(request, max_tokens=room), TREE_BRANCHES,
+                                                        state.batch.rows[0])
+    trace.match_sizes, trace.match_sources = [size], [source]
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    acceptance = planner.acceptance.lookup_at(size)
+    acceptance = planner.acceptance.lookup_at(size, source)
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
@@ -404,7 +410,7 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         _observe_chains(state, proposal, trace, accepted)
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
-                                                  trace.match_sizes[r] if trace.match_sizes else None)
+                                                  *_match(trace, r))
 
 
 def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:
@@ -414,7 +420,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         source, length = proposal.source_of(i), proposal.length(i)
         if source == NGRAM:
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(trace.match_sizes[i] if trace.match_sizes else None, j < accepted[i])
+                planner.acceptance.observe_lookup(_match(trace, i)[0], j < accepted[i], _match(trace, i)[1])
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -436,7 +442,14 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     else:
         planner.observe_without_draft()
     for _, hit in tree.retrieval_events(path):
-        planner.acceptance.observe_lookup(trace.match_sizes[0] if trace.match_sizes else None, hit)
+        planner.acceptance.observe_lookup(*_match(trace, 0)[:1], hit, _match(trace, 0)[1])
+
+
+def _match(trace: Trace, i: int) -> tuple[int | None, str]:
+    """Row i's retrieval: the size of the match it followed (None: not known) and its source."""
+    if not trace.match_sizes:
+        return None, NGRAM
+    return trace.match_sizes[i], trace.match_sources[i] if trace.match_sources else NGRAM
 
 
 def retire(state: DecodeState, finished: list[bool]) -> None:
@@ -467,7 +480,15 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
         cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
+        retrieval=_match(trace, i)[1] if _retrieved(proposal, i) else "",
     )
+
+
+def _retrieved(proposal: Proposal, i: int) -> bool:
+    """Whether active row i verified retrieved tokens this round."""
+    if proposal.tree is not None:
+        return any(proposal.tree.retrieved)
+    return proposal.source_of(i) == NGRAM and proposal.length(i) > 0
 
 
 def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | None) -> str:

@@ -9,6 +9,7 @@ from typing import Any, Callable, Union
 
 # Where a round's proposal came from: the draft model, an n-gram lookup, or nowhere (a plain step).
 DRAFT, NGRAM, NONE = "draft", "ngram", "none"
+CACHE = "cache"  # a retrieval source: the shared `RetrievalCache` (its proposals are point masses, verified as NGRAM)
 
 # Receives one `RoundRecord` per round: a callable, or a path that gets one JSON object per line.
 AcceptanceSink = Union[Callable[["RoundRecord"], None], str, os.PathLike]
@@ -41,6 +42,9 @@ class RoundRecord:
     # verification reaches and accepts it (what it chose the tree on; their sum is the accepted
     # tokens it expected). None where it made no such estimate.
     estimated_acceptance: list[float] | None = None
+    # Where the row's retrieved tokens came from, when it verified any: "ngram" (its own text) or
+    # "cache" (a `RetrievalCache`: earlier outputs, or other rows of the call); "" otherwise.
+    retrieval: str = ""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,379 @@
+"""A retrieval cache shared across calls and rows: earlier outputs as a source of free proposals.
+
+In-row lookup (`hf_specdec.proposals.ngram`) copies continuations from the row's own prompt and
+output. Much real use repeats across requests instead: n samples of one prompt (pass@k, self-
+consistency), the same boilerplate in many answers, agent loops. `RetrievalCache` keeps the token
+sequences of earlier outputs (each with the tail of the prompt it answered, so a new answer to the
+same prompt matches from its first token) and proposes the continuations of the longest match of a
+row's last tokens, ranked by how often each continuation followed (SuffixDecoding's scoring,
+arXiv:2411.04975). The speculation length is the planner's: it keeps an acceptance per match length
+for this source, and longer matches earn longer chains (`hf_specdec.planner`).
+
+Structure. Not a suffix tree: an index from each n-gram (n = 1..`index_ngram`) to the positions
+where it ends, over one token store with a separator between sequences. A query looks up the
+occurrences of its last n tokens for the longest n indexed, measures each occurrence's match further
+back (up to `max_match` tokens), keeps those in the longest match's bucket and merges what followed
+them into a trie whose counts rank the continuations. At the sizes a process sees (up to a few
+million tokens) a lookup costs well under a millisecond in Python; building `arctic-inference`'s C++
+suffix tree is not an option here (0.1 onwards ships as source only, built against vLLM; the
+registry's wheels, 0.0.1-0.0.4, predate the suffix tree).
+
+Exactness. A proposal is a point mass on tokens that were decided before the round (earlier calls,
+earlier rounds of other rows): it does not depend on this round's random numbers, so the rejection
+rule keeps the output distribution the target's. Rows append their emitted tokens after each round;
+another row sees them from the next round on.
+
+Memory is bounded by `max_tokens` (oldest sequences evicted first); every method holds one lock, so
+calls in several threads of one process may share a cache; `save` / `load` keep it on disk as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .proposals.tree import Trie, match_bucket
+from .stats import CACHE, NGRAM
+
+SEPARATOR = -1  # between sequences in the store: no match or continuation crosses it
+FORMAT = "hf_specdec.RetrievalCache/1"
+
+
+def _measure(tokens: list[int], end: int, query: list[int], n: int, cap: int) -> int:
+    """How many tokens before `end` in `tokens` equal the query's last ones (at least the n indexed)."""
+    matched = n
+    while matched < min(cap, len(query)):
+        j = end - matched - 1
+        if j < 0 or tokens[j] != query[len(query) - matched - 1]:
+            break
+        matched += 1
+    return matched
+
+
+def _follows(tokens: list[int], end: int, max_tokens: int) -> list[int]:
+    """What follows position `end` in `tokens`, up to a separator, at most `max_tokens`."""
+    out = []
+    while len(out) < max_tokens and end < len(tokens) and tokens[end] != SEPARATOR:
+        out.append(tokens[end])
+        end += 1
+    return out
+
+
+def _check_token(token) -> int:
+    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+        raise ValueError(f"RetrievalCache: token ids must be integers >= 0, got {token!r}")
+    return token
+
+
+class _Finished:
+    """Finished sequences one after another (SEPARATOR after each) and the index from each n-gram
+    (n = 1..index_ngram) to the positions just after its occurrences."""
+
+    def __init__(self, index_ngram: int):
+        self.index_ngram = index_ngram
+        self.tokens: list[int] = []
+        self.index: dict[tuple[int, ...], list[int]] = {}
+
+    def add(self, sequence: list[int]) -> None:
+        for token in sequence:
+            self.tokens.append(_check_token(token))
+            end = len(self.tokens)
+            for n in range(1, min(self.index_ngram, end) + 1):
+                if self.tokens[end - n] == SEPARATOR:
+                    break
+                self.index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
+        self.tokens.append(SEPARATOR)
+
+    def matches(self, query: list[int], n: int, most: int, cap: int) -> list[tuple[list[int], int, int]]:
+        """(tokens, end, match length) of the most recent `most` occurrences of the query's last n
+        tokens that something follows."""
+        ends = self.index.get(tuple(query[len(query) - n :]), [])[-most:]
+        return [(self.tokens, end, _measure(self.tokens, end, query, n, cap)) for end in ends
+                if self.tokens[end] != SEPARATOR]
+
+    def bytes(self) -> int:
+        return _bytes(self.tokens, self.index, 1)
+
+
+class _Open:
+    """Sequences still growing (rows being generated), each its own token list, under one index from
+    each n-gram to (key, position after it): a lookup examines the most recent occurrences among all
+    of them at once, so it costs the same at 2 rows or 2,000."""
+
+    def __init__(self, index_ngram: int):
+        self.index_ngram = index_ngram
+        self.tokens: dict[object, list[int]] = {}
+        self.index: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+
+    def push(self, key: object, token: int) -> None:
+        tokens = self.tokens[key]
+        tokens.append(_check_token(token))
+        end = len(tokens)
+        for n in range(1, min(self.index_ngram, end) + 1):
+            self.index.setdefault(tuple(tokens[end - n : end]), []).append((key, end))
+
+    def pop(self, key: object) -> list[int]:
+        """A finished sequence leaves (its index entries are dropped as lookups meet them)."""
+        return self.tokens.pop(key)
+
+    def matches(self, query: list[int], n: int, most: int, cap: int, exclude: object) -> list[tuple[list[int], int, int]]:
+        entries = self.index.get(tuple(query[len(query) - n :]))
+        if not entries:
+            return []
+        live = [(key, end) for key, end in entries if key in self.tokens]
+        if len(live) < len(entries):
+            entries[:] = live  # prune the entries of closed sequences
+        out = []
+        for key, end in reversed(live):
+            tokens = self.tokens[key]
+            if key != exclude and end < len(tokens):  # something follows it
+                out.append((tokens, end, _measure(tokens, end, query, n, cap)))
+                if len(out) == most:
+                    break
+        return out
+
+    def __len__(self) -> int:
+        return sum(len(t) for t in self.tokens.values())
+
+    def bytes(self) -> int:
+        return sum(_bytes(t, {}, 0) for t in self.tokens.values()) + _bytes([], self.index, 2)
+
+
+def _bytes(tokens: list[int], index: dict, per_entry: int) -> int:
+    """Approximate memory of a token list and an index (keys, lists, entries of `per_entry` ints)."""
+    total = sys.getsizeof(tokens) + 28 * len(tokens) + sys.getsizeof(index)
+    for key, entries in index.items():
+        total += sys.getsizeof(key) + sys.getsizeof(entries) + len(entries) * (28 * per_entry + (56 if per_entry > 1 else 0))
+    return total
+
+
+class RetrievalCache:
+    """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
+
+    `max_tokens`: the most tokens held (oldest sequences evicted first). `context`: how many prompt
+    tokens before each output are kept with it (a later answer to the same prompt matches them).
+    `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
+    `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
+    being generated, and in the finished ones)."""
+
+    def __init__(self, max_tokens: int = 1_000_000, context: int = 16, index_ngram: int = 3, max_match: int = 32,
+                 max_occurrences: int = 64):
+        for name, value in (("max_tokens", max_tokens), ("index_ngram", index_ngram), ("max_match", max_match),
+                            ("max_occurrences", max_occurrences)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"RetrievalCache: {name} must be a positive integer, got {value!r}")
+        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+            raise ValueError(f"RetrievalCache: context must be an integer >= 0, got {context!r}")
+        self.max_tokens, self.context, self.index_ngram = max_tokens, context, index_ngram
+        self.max_match, self.max_occurrences = max(max_match, index_ngram), max_occurrences
+        self._lock = threading.RLock()
+        self._finished = _Finished(index_ngram)
+        self._lengths: deque[int] = deque()  # each finished sequence's length in the store, oldest first
+        self._open = _Open(index_ngram)  # sequences being generated, by key (a row of a call)
+
+    # ------------------------------------------------------------------ adding
+
+    def add(self, tokens: Iterable[int], context: Sequence[int] = ()) -> None:
+        """One finished sequence (an output, or a document of a corpus), after the last `self.context`
+        tokens of `context` (the prompt it answered)."""
+        with self._lock:
+            self._add([*self._tail(context), *(int(t) for t in tokens)])
+
+    def open(self, key: object, context: Sequence[int] = ()) -> None:
+        """Start a sequence that grows round by round (a row being generated), under `key`; other rows
+        and calls retrieve from it as it grows."""
+        with self._lock:
+            if key in self._open.tokens:
+                raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
+            self._open.tokens[key] = []
+            for token in self._tail(context):
+                self._open.push(key, token)
+
+    def extend(self, key: object, tokens: Sequence[int]) -> None:
+        """Append tokens to the open sequence `key`."""
+        with self._lock:
+            for token in tokens:
+                self._open.push(key, int(token))
+
+    def close(self, key: object) -> None:
+        """The open sequence `key` is finished and joins the finished ones."""
+        with self._lock:
+            self._add(self._open.pop(key))
+
+    # ------------------------------------------------------------------ searching
+
+    def lookup(self, query: Sequence[int], max_tokens: int, max_branches: int = 1, min_match: int = 1,
+               exclude: object = None) -> tuple[list[list[int]], int]:
+        """(continuations, size): up to `max_branches` distinct continuations (each at most `max_tokens`)
+        of the occurrences of the query's longest matching suffix (at least `min_match` tokens), the
+        most frequent path first; `size` is the match's bucket (`match_bucket`; 0: no match).
+        `exclude`: the key of an open sequence not searched (the row's own text, which in-row lookup
+        already searches)."""
+        query = [int(t) for t in list(query)[-self.max_match :]]
+        most, cap = self.max_occurrences, self.max_match
+        with self._lock:
+            for n in range(min(self.index_ngram, len(query)), min_match - 1, -1):
+                found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
+                if found:
+                    return self._continuations(found, max_tokens, max_branches)
+            return [], 0
+
+    # ------------------------------------------------------------------ size, disk
+
+    def __len__(self) -> int:
+        """Tokens held (prompt context and one separator per finished sequence included)."""
+        with self._lock:
+            return len(self._finished.tokens) + len(self._open)
+
+    def memory_bytes(self) -> int:
+        """An estimate of the memory held: token lists, the indexes' keys and entries."""
+        with self._lock:
+            return self._finished.bytes() + self._open.bytes()
+
+    def save(self, path: str | Path) -> None:
+        """Write the finished sequences and the settings (JSON); sequences still open are not saved."""
+        with self._lock:
+            sequences, start = [], 0
+            for length in self._lengths:
+                sequences.append(self._finished.tokens[start : start + length - 1])
+                start += length
+            settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
+                            max_match=self.max_match, max_occurrences=self.max_occurrences)
+            Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences}))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "RetrievalCache":
+        """A cache `save` wrote."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as err:
+            raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
+        cache = cls(**data["settings"])
+        with cache._lock:
+            for tokens in data["sequences"]:
+                cache._add([int(t) for t in tokens])
+        return cache
+
+    # ------------------------------------------------------------------ internals
+
+    def _tail(self, context: Sequence[int]) -> list[int]:
+        context = [int(t) for t in context]
+        return context[len(context) - self.context :] if self.context else []
+
+    def _add(self, tokens: list[int]) -> None:
+        if not tokens:
+            return
+        self._finished.add(tokens)
+        self._lengths.append(len(tokens) + 1)
+        if len(self._finished.tokens) > self.max_tokens:
+            self._evict()
+
+    def _evict(self) -> None:
+        """Drop the oldest finished sequences down to 90% of `max_tokens`, and rebuild the index."""
+        tokens, lengths = self._finished.tokens, list(self._lengths)
+        held = len(tokens)
+        while lengths and held > 0.9 * self.max_tokens:
+            held -= lengths.pop(0)
+        self._finished, self._lengths = _Finished(self.index_ngram), deque()
+        start = len(tokens) - held
+        for length in lengths:
+            self._add(tokens[start : start + length - 1])
+            start += length
+
+    def _continuations(self, found: list[tuple[list[int], int, int]], max_tokens: int,
+                       max_branches: int) -> tuple[list[list[int]], int]:
+        size = max(match_bucket(m, self.index_ngram) for _, _, m in found)
+        trie = Trie()
+        for tokens, end, matched in found:
+            if match_bucket(matched, self.index_ngram) == size:
+                trie.insert(_follows(tokens, end, max_tokens), "cache", count=True)
+        return _by_frequency(trie, max_branches), size
+
+
+def _by_frequency(trie: Trie, max_branches: int) -> list[list[int]]:
+    """Up to `max_branches` root-to-leaf paths of `trie`, the most frequent first (compared node by
+    node from the root: the child more continuations took; the first inserted among equals)."""
+
+    def path(leaf: int) -> list[int]:
+        nodes = []
+        while leaf >= 0:
+            nodes.append(leaf)
+            leaf = trie.parents[leaf]
+        return nodes[::-1]
+
+    leaves = [path(j) for j in range(len(trie)) if j not in trie.children]
+    leaves.sort(key=lambda nodes: ([-trie.counts[n] for n in nodes], nodes))
+    return [[trie.tokens[n] for n in nodes] for nodes in leaves[:max_branches]]
+
+
+class Retrieval:
+    """A call's retrieval sources, one lookup per row and round: the row's own text (in-row n-gram
+    lookup) and `cache`, which holds earlier outputs and every row of this call as it grows (so rows
+    retrieve from each other). Per row, the source whose continuation the planner expects to be
+    accepted more often (`estimate(size, source)`) is proposed; the other is scored unverified."""
+
+    def __init__(self, ngram, cache: RetrievalCache | None, estimate):
+        self.ngram, self.cache, self.estimate = ngram, cache, estimate
+        self.min_ngram = ngram.min_ngram
+        self._known: dict[int, int] = {}  # row -> its tokens the cache holds (prompt tail + generated)
+        self._key = object()  # this call's rows, apart from other calls' in a shared cache
+
+    def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
+        """Bring the cache's copy of each active row up to date; rows no longer active are closed."""
+        if self.cache is None:
+            return
+        for row in [r for r in self._known if r not in rows]:
+            self._close(row)
+        for row in rows:
+            if row not in self._known:
+                self.cache.open((self._key, row), prompts[row])
+                self._known[row] = 0
+            new = generated[row][self._known[row] :]
+            if new:
+                self.cache.extend((self._key, row), new)
+                self._known[row] += len(new)
+
+    def close(self) -> None:
+        """The call ends: its rows join the cache's finished sequences."""
+        for row in list(self._known):
+            self._close(row)
+
+    def _close(self, row: int) -> None:
+        self._known.pop(row)
+        self.cache.close((self._key, row))
+
+    def match_rows(self, request, rows: list[int]) -> list[tuple[list[int], int, str]]:
+        """Per active row: (continuation, match size, source); ([], 0, NGRAM) where nothing matches."""
+        out = []
+        for (tokens, size), row, host in zip(self.ngram.match_rows(request), rows, request.host):
+            found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), 1, row)
+            if found[0] and self._better(found[1], size):
+                out.append((found[0][0], found[1], CACHE))
+            else:
+                out.append((tokens, size, NGRAM))
+        return out
+
+    def retrieve(self, request, max_branches: int, row: int = 0) -> tuple[list[list[int]], int, str]:
+        """One row's distinct continuations (a tree's retrieved branches), their match size and source."""
+        continuations, size = self.ngram.retrieve(request, max_branches)
+        found = self._from_cache(request.host[0], min(self.ngram.max_tokens, request.max_tokens), max_branches, row)
+        if found[0] and self._better(found[1], size):
+            return found[0], found[1], CACHE
+        return continuations, size, NGRAM
+
+    def _from_cache(self, host: list[int], max_tokens: int, branches: int, row: int) -> tuple[list[list[int]], int]:
+        if self.cache is None or max_tokens < 1:
+            return [], 0
+        return self.cache.lookup(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
+
+    def _better(self, cache_size: int, ngram_size: int) -> bool:
+        return not ngram_size or self.estimate(cache_size, CACHE) > self.estimate(ngram_size, NGRAM)
+
+
+__all__ = ["Retrieval", "RetrievalCache"]

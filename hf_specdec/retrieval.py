@@ -92,8 +92,8 @@ class _Finished:
         """(tokens, end, match length) of the most recent `most` occurrences of the query's last n
         tokens that something follows."""
         ends = self.index.get(tuple(query[len(query) - n :]), [])[-most:]
-        return [(self.tokens, end, _measure(self.tokens, end, query, n, cap)) for end in ends
-                if self.tokens[end] != SEPARATOR]
+        return [(self.tokens, end, _measure(self.tokens, end, query, n, cap)) for end in reversed(ends)
+                if self.tokens[end] != SEPARATOR]  # most recent first
 
     def bytes(self) -> int:
         return _bytes(self.tokens, self.index, 1)
@@ -121,19 +121,19 @@ class _Open:
         return self.tokens.pop(key)
 
     def matches(self, query: list[int], n: int, most: int, cap: int, exclude: object) -> list[tuple[list[int], int, int]]:
+        """As `_Finished.matches`, over every open sequence but `exclude`, most recent first."""
         entries = self.index.get(tuple(query[len(query) - n :]))
-        if not entries:
-            return []
-        live = [(key, end) for key, end in entries if key in self.tokens]
-        if len(live) < len(entries):
-            entries[:] = live  # prune the entries of closed sequences
-        out = []
-        for key, end in reversed(live):
-            tokens = self.tokens[key]
-            if key != exclude and end < len(tokens):  # something follows it
+        out, dead = [], 0
+        for key, end in reversed(entries or ()):
+            tokens = self.tokens.get(key)
+            if tokens is None:
+                dead += 1  # a sequence closed since
+            elif key != exclude and end < len(tokens):  # something follows it
                 out.append((tokens, end, _measure(tokens, end, query, n, cap)))
                 if len(out) == most:
                     break
+        if dead > most:
+            entries[:] = [(key, end) for key, end in entries if key in self.tokens]
         return out
 
     def __len__(self) -> int:
@@ -298,7 +298,8 @@ class RetrievalCache:
 
 def _by_frequency(trie: Trie, max_branches: int) -> list[list[int]]:
     """Up to `max_branches` root-to-leaf paths of `trie`, the most frequent first (compared node by
-    node from the root: the child more continuations took; the first inserted among equals)."""
+    node from the root: the child more continuations took; among equals the first inserted, which is
+    the most recent occurrence)."""
 
     def path(leaf: int) -> list[int]:
         nodes = []

@@ -440,3 +440,67 @@ def test_single_row_adaptive_draft_lengths_are_exact(pair):
     samples = sample_sequences(target, 21, acceptance_sink=records.append, **levers_kwargs(draft, 0.05, verify=0.3))
     assert len(Counter(len(r.draft_tokens) for r in records if r.source == DRAFT)) > 1  # lengths differ
     assert law_pvalue(law, samples, "single-row calls, adaptive lengths") > ALPHA
+
+
+# ---------------------------------------------------------------- the retrieval cache (issue 39)
+
+
+class PeekingCache(hf_specdec.RetrievalCache):
+    """Broken on purpose: a row's continuation is proposed only when this round's first uniform for the
+    row, drawn here and handed to verification (`peek_at_uniforms`), is below 0.3, so a retrieved token
+    is proposed just when it is likely to be accepted: P(first token = x) rises from p(x) towards
+    0.3 + 0.7 p(x) for the cache's favourite x."""
+
+    def __init__(self):
+        super().__init__()
+        self.peeked: list[float] = []  # this round's, one per active row (rows are looked up in order)
+
+    def lookup(self, query, max_tokens, max_branches=1, min_match=1, exclude=None):
+        u = float(torch.rand(()))
+        self.peeked.append(u)
+        return super().lookup(query, max_tokens, max_branches, min_match, exclude) if u < 0.3 else ([], 0)
+
+
+def peek_at_uniforms(cache: PeekingCache, monkeypatch) -> None:
+    """Verification's uniforms, with each row's first one replaced by the one its cache lookup drew."""
+    real = hf_specdec.verify._uniforms
+
+    def uniforms(draft_tokens, generator):
+        u = real(draft_tokens, generator)
+        if u.shape[1] and cache.peeked:
+            u[:, 0] = torch.tensor(cache.peeked)
+        cache.peeked.clear()
+        return u
+
+    monkeypatch.setattr(hf_specdec.verify, "_uniforms", uniforms)
+
+
+def _cache_calls(target, draft, cache, seed):
+    """An earlier call's 300 answers fill the cache, then ROWS rows in one call that retrieve from
+    those and from each other; drafting is priced out (c = 5), so retrieval and plain steps only.
+    Returns the samples and how many row-rounds verified a cached continuation."""
+    used = Counter()
+    kwargs = levers_kwargs(draft, 5.0, retrieval_cache=cache, acceptance_sink=lambda r: used.update([r.retrieval]))
+    sample_rows(target, seed, PROMPT.tolist(), rows=300, **kwargs)
+    used.clear()
+    (samples,) = sample_rows(target, seed + 1, PROMPT.tolist(), **kwargs)
+    return samples, used["cache"]
+
+
+def test_sampling_with_a_retrieval_cache_is_exact(pair):
+    """Rows proposing earlier calls' and each other's continuations (point masses decided before the
+    round's uniforms): each row still follows the target's law. The broken variant below, at the same
+    seed and ROWS, gives first-token chi2 ~ 1000 on 3 dof (p ~ 1e-224)."""
+    target, draft, law = pair
+    samples, used = _cache_calls(target, draft, hf_specdec.RetrievalCache(), 40)
+    assert used > ROWS // 2  # most rows verified a cached continuation at least once
+    assert law_pvalue(law, samples, "retrieval cache, earlier calls and other rows") > ALPHA
+
+
+def test_broken_cache_peeking_at_the_uniforms_is_detected(pair, monkeypatch):
+    target, draft, law = pair
+    cache = PeekingCache()
+    peek_at_uniforms(cache, monkeypatch)
+    samples, used = _cache_calls(target, draft, cache, 40)
+    assert used > ROWS // 10
+    assert law_pvalue(law, samples, "BROKEN (cache peeking at the uniforms)") < ALPHA

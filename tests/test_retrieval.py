@@ -1,0 +1,146 @@
+"""The retrieval cache (issue 39): what it proposes, its bounds and persistence, and generate() with it.
+Exactness with it (chi-square and broken variants) is in test_exactness.py."""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+
+import pytest
+import torch
+
+import hf_specdec
+from conftest import perturbed, tiny_model
+from hf_specdec import RetrievalCache
+
+PINNED = dict(costs=hf_specdec.Costs(draft_step=0.1, verify=0.02))
+
+
+def test_the_most_frequent_continuation_of_the_longest_match_comes_first():
+    cache = RetrievalCache(context=2)
+    for output in ([5, 6, 7, 8, 9], [5, 6, 7, 1, 1], [5, 6, 7, 8, 4]):
+        cache.add(output, context=[0, 2, 3])  # three answers to one prompt ending in 2, 3
+    # a new answer to that prompt: its context (the prompt's tail) matches; 5 6 7 8 followed twice
+    continuations, size = cache.lookup([4, 2, 3], max_tokens=8, max_branches=3)
+    assert continuations == [[5, 6, 7, 8, 4], [5, 6, 7, 8, 9], [5, 6, 7, 1, 1]] and size == 2
+    assert cache.lookup([2, 3], max_tokens=2)[0] == [[5, 6]]  # max_tokens bounds each continuation
+    # a longer match outranks a shorter one: 9 2 3 occurs nowhere, but 7 8 (size 2) does; 6 7 8 (3) does too
+    assert cache.lookup([1, 6, 7, 8], max_tokens=3, max_branches=3) == ([[4], [9]], 3)
+    # continuations stop at the end of their sequence; no match across sequences
+    assert cache.lookup([8, 9], max_tokens=5) == ([], 0)
+    assert cache.lookup([9, 5], max_tokens=5)[1] <= 1  # "9 5" spans two sequences: only the 1-gram "5" matches
+    assert cache.lookup([42], max_tokens=5) == ([], 0)
+    assert cache.lookup([7], max_tokens=5, min_match=2) == ([], 0)  # a 1-gram is not enough when asked for 2
+
+
+def test_open_sequences_are_searched_by_others_and_join_when_closed():
+    cache = RetrievalCache(context=1)
+    cache.open("a", context=[3])
+    cache.open("b", context=[3])
+    cache.extend("a", [10, 11, 12])
+    assert cache.lookup([3, 10], max_tokens=4, exclude="b") == ([[11, 12]], 2)  # b sees a's tokens
+    assert cache.lookup([3, 10], max_tokens=4, exclude="a") == ([], 0)  # a's own text is in-row lookup's
+    cache.extend("b", [10, 13])
+    assert cache.lookup([3, 10], max_tokens=4, max_branches=2)[0] == [[13], [11, 12]]  # equal counts: most recent first
+    with pytest.raises(ValueError, match="already open"):
+        cache.open("a")
+    cache.close("a")
+    cache.close("b")
+    assert len(cache) == 4 + 1 + 3 + 1  # two sequences with their one-token context, a separator each
+    assert cache.lookup([3, 10], max_tokens=4, max_branches=2)[0] == [[13], [11, 12]]
+
+
+def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(tmp_path):
+    cache = RetrievalCache(max_tokens=60, context=0)
+    for i in range(20):
+        cache.add([100 + i] * 5 + [i])
+    assert len(cache) <= 60
+    assert cache.lookup([100], max_tokens=1) == ([], 0)  # the oldest are gone
+    assert cache.lookup([119, 119], max_tokens=2) == ([[119, 119]], 2)  # the newest remain
+    assert 0 < cache.memory_bytes() < 100_000
+    cache.save(tmp_path / "cache.json")
+    loaded = RetrievalCache.load(tmp_path / "cache.json")
+    assert len(loaded) == len(cache) and loaded.max_tokens == 60
+    assert loaded.lookup([119, 119], max_tokens=2) == cache.lookup([119, 119], max_tokens=2)
+    (tmp_path / "other.json").write_text('{"format": "something else"}')
+    with pytest.raises(ValueError, match="not a saved hf_specdec.RetrievalCache"):
+        RetrievalCache.load(tmp_path / "other.json")
+    with pytest.raises(ValueError, match="cannot read"):
+        RetrievalCache.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("kwargs, name", [(dict(max_tokens=0), "max_tokens"), (dict(context=-1), "context"),
+                                          (dict(index_ngram=True), "index_ngram"), (dict(max_match=1.5), "max_match")])
+def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        RetrievalCache(**kwargs)
+    with pytest.raises(ValueError, match="token ids must be integers >= 0"):
+        RetrievalCache().add([1, -5])
+
+
+def test_threads_share_one_cache():
+    cache = RetrievalCache(context=0)
+    errors = []
+
+    def work(t):
+        try:
+            for i in range(200):
+                cache.open((t, i))
+                cache.extend((t, i), [t, i % 7, 1000 + t])
+                cache.lookup([t, i % 7], max_tokens=2, exclude=(t, i))
+                cache.close((t, i))
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(cache) == 4 * 200 * 4  # every sequence intact (3 tokens and a separator)
+    assert cache.lookup([2, 3], max_tokens=1) == ([[1002]], 2)
+
+
+# ---------------------------------------------------------------- through generate
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])
+def test_greedy_with_a_cache_equals_plain_greedy_and_a_repeated_prompt_is_retrieved(arch):
+    target = tiny_model(arch, seed=1)
+    draft = perturbed(target, 0.5)
+    cache = RetrievalCache()
+    first, second = torch.tensor([[1, 5, 2, 7, 9, 4]]), torch.tensor([[3, 8, 2, 7, 9, 4]])
+    for prompt in (first, second, first):
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=40)
+        records = []
+        out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False,
+                              max_new_tokens=40, retrieval_cache=cache, acceptance_sink=records.append,
+                              return_dict_in_generate=True, **PINNED)
+        assert torch.equal(out.sequences, plain)
+    # the third call answers the first prompt again: its whole output is in the cache
+    assert Counter(r.retrieval for r in records)["cache"] >= 1 and out.acceptance.rounds <= 5
+    assert len(cache) >= 3 * 40
+
+
+def test_rows_of_a_batch_retrieve_from_each_other_and_stay_exact_in_greedy():
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    prompts = torch.tensor([[1, 5, 2, 7, 9, 4], [1, 5, 2, 7, 9, 4], [0, 3, 8, 2, 7, 9]])
+    mask = torch.tensor([[1] * 6, [1] * 6, [0] + [1] * 5])
+    plain = target.generate(prompts, attention_mask=mask, do_sample=False, max_new_tokens=30)
+    records = []
+    out = target.generate(prompts, attention_mask=mask, custom_generate=hf_specdec.speculative_generate,
+                          assistant=draft, do_sample=False, max_new_tokens=30, acceptance_sink=records.append,
+                          return_dict_in_generate=True, **PINNED)
+    assert torch.equal(out.sequences, plain)
+    assert any(r.retrieval == "cache" for r in records)  # rows 0 and 1 are the same prompt: one copies the other
+
+
+def test_retrieval_cache_arguments_are_checked():
+    target = tiny_model("llama", seed=1)
+    prompt = torch.tensor([[1, 5, 2]])
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, assistant=target, max_new_tokens=3)
+    with pytest.raises(ValueError, match="retrieval_cache must be an hf_specdec.RetrievalCache"):
+        target.generate(prompt, retrieval_cache={}, **kwargs)
+    with pytest.raises(ValueError, match="retrieval_cache .* needs ngram=True"):
+        target.generate(prompt, retrieval_cache=RetrievalCache(), ngram=False, **kwargs)

@@ -144,3 +144,16 @@ def test_retrieval_cache_arguments_are_checked():
         target.generate(prompt, retrieval_cache={}, **kwargs)
     with pytest.raises(ValueError, match="retrieval_cache .* needs ngram=True"):
         target.generate(prompt, retrieval_cache=RetrievalCache(), ngram=False, **kwargs)
+
+
+def test_a_continuous_stream_shares_one_cache_across_its_requests():
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    prompt = [1, 5, 2, 7, 9, 4]
+    plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=30)[0, 6:].tolist()
+    records = []
+    results = hf_specdec.generate_continuous(target, [prompt, prompt], assistant=draft, max_batch_size=1,
+                                             do_sample=False, max_new_tokens=30, acceptance_sink=records.append, **PINNED)
+    assert [r.tokens.tolist() for r in results] == [plain, plain]
+    second = [r for r in records if r.row == 1]
+    assert second and any(r.retrieval == "cache" for r in second)  # the second request copies the first's answer

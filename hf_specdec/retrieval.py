@@ -13,8 +13,8 @@ Structure. Not a suffix tree: an index from each n-gram (n = 1..`index_ngram`) t
 where it ends, over one token store with a separator between sequences. A query looks up the
 occurrences of its last n tokens for the longest n indexed, measures each occurrence's match further
 back (up to `max_match` tokens), keeps those in the longest match's bucket and merges what followed
-them into a trie whose counts rank the continuations. At the sizes a process sees (up to a few
-million tokens) a lookup costs well under a millisecond in Python; building `arctic-inference`'s C++
+them into a trie whose counts rank the continuations. At the sizes a process holds (0.1 to 1
+million tokens) a lookup costs about 0.2 ms in Python (docs/design.md#retrieval-across-calls-and-rows); building `arctic-inference`'s C++
 suffix tree is not an option here (0.1 onwards ships as source only, built against vLLM; the
 registry's wheels, 0.0.1-0.0.4, predate the suffix tree).
 
@@ -154,13 +154,13 @@ def _bytes(tokens: list[int], index: dict, per_entry: int) -> int:
 class RetrievalCache:
     """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
 
-    `max_tokens`: the most tokens held (oldest sequences evicted first). `context`: how many prompt
+    `max_tokens`: the most tokens held (oldest sequences evicted first; about 360 bytes a token). `context`: how many prompt
     tokens before each output are kept with it (a later answer to the same prompt matches them).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
     being generated, and in the finished ones)."""
 
-    def __init__(self, max_tokens: int = 1_000_000, context: int = 16, index_ngram: int = 3, max_match: int = 32,
+    def __init__(self, max_tokens: int = 250_000, context: int = 16, index_ngram: int = 3, max_match: int = 32,
                  max_occurrences: int = 64):
         for name, value in (("max_tokens", max_tokens), ("index_ngram", index_ngram), ("max_match", max_match),
                             ("max_occurrences", max_occurrences)):

@@ -153,6 +153,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--ids", nargs="+", default=None, help="only these prompt ids (a quick look)")
     parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
+    parser.add_argument("--retrieval-cache", action="store_true",
+                        help="one hf_specdec.RetrievalCache per mode shared by every prompt's call, in order (the "
+                             "standard preset has no repetition across prompts: what the cache costs there)")
     parser.add_argument("--explain-only", action="store_true",
                         help="no replay: read <out>/replay.jsonl and explain its greedy mismatches (margins in bf16 steps)")
     parser.add_argument("--accelerator-path", action="store_true",
@@ -195,6 +198,8 @@ def main(argv=None) -> dict:
     replayed = []
     with open(out / "replay.jsonl", "w") as sink:
         for mode in args.modes:
+            if args.retrieval_cache:
+                settings = {**settings, "retrieval_cache": hf_specdec.RetrievalCache()}
             order = [r["id"] for r in records if r["method"] == "plain" and r["mode"] == mode
                      and (args.ids is None or r["id"] in args.ids)]
             plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == mode}

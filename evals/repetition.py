@@ -1,0 +1,410 @@
+"""Repetition across calls (issue 39): n sampled answers to one prompt, hf_specdec alone against
+hf_specdec with one shared `hf_specdec.RetrievalCache`, modelled under a cost table.
+
+    python evals/repetition.py --out runs/repetition          # both workloads, 5 prompts x 8 samples x 2 methods
+    python evals/repetition.py --out runs/repetition --reprice evals/results/gpu-handwritten/cost_table.json
+    python evals/repetition.py --out runs/rep-smoke --limit 1 --samples 2 --max-new-tokens 8   # a quick look
+    python evals/repetition.py --target tiny --draft tiny --out runs/rep-tiny --limit 1 --samples 2   # offline
+
+Two workloads that repeat across calls, each run sequentially (n separate generate calls a prompt,
+sample i seeded with torch.manual_seed(seed + i)):
+
+* pass_at_k: the report-split HumanEval problems the standard preset picks (5, evenly spaced, as
+  `common.load_prompts` picks them), each problem's prompt continued as the HumanEval harness does
+  (`--humaneval-chat`: the eval's chat-formatted prompt instead), temperature 0.8, top-p 0.95;
+* self_consistency: the report-split Spec-Bench math_reasoning prompts the standard preset picks,
+  chat-formatted, temperature 0.7, top-p 1.0.
+
+Methods: `hf_specdec` (default settings, each call alone) and `hf_specdec+cache` (one RetrievalCache a
+workload, shared by every call of every prompt in order: sample 2 of a prompt retrieves from sample 1).
+hf_specdec's costs are pinned from the first `--cost-table` as `evals/replay.py` pins them (same window
+and mode), so a run repeats exactly; its work is priced with that table (engine "hf_specdec"). Plain
+sampling is not run: its work for a call's number of new tokens is known (a prefill of the prompt,
+then one one-token target forward per further token at the growing context), priced with engine
+"transformers". Modelled speedup = (tokens / method's modelled s) / (tokens / plain's modelled s).
+Further tables (`--cost-table` again, or `--reprice`) reprice the same work; hf_specdec's choices were
+made under the first. Every position is priced at the table's "sampling" row (measured at T 0.7,
+top-p 0.95), also for top-p 1.0.
+
+pass@k (pass_at_k only): the problem's prompt, then the completion cut at the first top-level
+"\\ndef ", "\\nclass ", "\\nif __name__" or "\\nprint(" (the HumanEval harness's stop sequences; with
+`--humaneval-chat`, the code of the answer's first ``` block, cut after the function it restates), then
+the problem's test and `check(entry_point)`, run by `python -I -c` in a temporary folder with a
+timeout and a memory limit (model-written code: `--no-execute` skips it). Unbiased estimator
+1 - C(n-c, k) / C(n, k), for k = 1 and k = n.
+
+Writes <out>/records.jsonl (one line per call) and <out>/results.md (also printed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+
+import hf_specdec  # noqa: E402
+from common import (  # noqa: E402
+    HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain,
+)
+from costs import CostTable  # noqa: E402
+from run_eval import PRESETS  # noqa: E402
+
+MODE = "sampling"  # the cost table's row that prices positions and pins hf_specdec's costs
+METHODS = ("hf_specdec", "hf_specdec+cache")
+STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")  # the HumanEval harness's stop sequences
+REPORT_PROMPTS = PRESETS["standard"].prompts_per_category  # the standard preset's prompts per category (5)
+DEFAULT_TABLE = HERE / "results" / "standard" / "cost_table.json"
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    category: str  # common.CATEGORIES
+    temperature: float
+    top_p: float
+
+
+WORKLOADS = {
+    "pass_at_k": Workload("pass_at_k", "humaneval", 0.8, 0.95),
+    "self_consistency": Workload("self_consistency", "math_reasoning", 0.7, 1.0),
+}
+
+
+# ---------------------------------------------------------------- pricing
+
+
+def plain_work(prompt_tokens: int, new_tokens: int) -> dict[str, list[list[int]]]:
+    """Plain decoding's forwards for `new_tokens` tokens: a prefill, then one token at a time."""
+    if new_tokens < 1:
+        return {"target": []}
+    return {"target": [[prompt_tokens, 0]] + [[1, prompt_tokens + i] for i in range(new_tokens - 1)]}
+
+
+def price(record: dict, table: CostTable) -> tuple[float, float]:
+    """(hf_specdec's modelled seconds, plain's modelled seconds for the same number of new tokens)."""
+    ours = table.modelled_seconds(record["work"], MODE, "hf_specdec")
+    plain = table.modelled_seconds(plain_work(record["prompt_tokens"], record["new_tokens"]), MODE, "transformers")
+    return ours, plain
+
+
+def load_table(path: Path) -> CostTable:
+    table = CostTable.load(path)
+    if "hf" not in table.forwards:  # as evals/replay.py: the draft as loaded priced as bf16
+        table.alias("hf", "bf16")
+    return table
+
+
+# ---------------------------------------------------------------- pass@k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased estimator: 1 - C(n - c, k) / C(n, k), for c of n samples passing."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass@k needs 0 <= c <= n and 1 <= k <= n, got n={n}, c={c}, k={k}")
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def code_of(completion: str) -> str:
+    """The code of an answer: its first ``` block (to the closing fence or the end), else the whole."""
+    if "```" not in completion:
+        return completion
+    after = completion.split("```", 1)[1]
+    after = after.split("\n", 1)[1] if "\n" in after else ""  # drop the fence's language tag
+    return after.split("```", 1)[0]
+
+
+def cut_at_stops(code: str, start: int = 0) -> str:
+    """`code` up to the first stop sequence found from `start` on."""
+    ends = [i for i in (code.find(stop, start) for stop in STOPS) if i >= 0]
+    return code[: min(ends)] if ends else code
+
+
+def program(problem: dict, completion: str, chat: bool = False) -> str:
+    """The problem's prompt, the completion cut at the stop sequences (and at a closing fence), the
+    test and its call. `chat`: the completion answers the chat-formatted prompt: its code is its first
+    ``` block, and an answer restating the function (a chat model's usual answer) is cut after it."""
+    entry = problem["entry_point"]
+    if not chat:
+        body = problem["prompt"] + cut_at_stops(completion).split("\n```", 1)[0]
+    else:
+        code = code_of(completion)
+        at = code.find(f"def {entry}(")
+        body = problem["prompt"] + ("\n" + cut_at_stops(code, at) if at >= 0 else cut_at_stops(code))
+    return body + "\n" + problem["test"] + f"\ncheck({entry})\n"
+
+
+def _limits() -> None:  # in the child, before it runs: memory and CPU time
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+    resource.setrlimit(resource.RLIMIT_CPU, (20, 20))
+
+
+def passes(source: str, timeout: float = 10.0) -> bool:
+    """Whether `python -I -c source` exits 0 within `timeout`, in a fresh temporary folder."""
+    with tempfile.TemporaryDirectory() as folder:
+        try:
+            done = subprocess.run([sys.executable, "-I", "-c", source], cwd=folder, capture_output=True, timeout=timeout,
+                                  env={"PATH": os.environ.get("PATH", "")},
+                                  preexec_fn=_limits if os.name == "posix" else None)
+        except subprocess.TimeoutExpired:
+            return False
+    return done.returncode == 0
+
+
+# ---------------------------------------------------------------- running
+
+
+def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, max_new_tokens: int, timers: dict,
+             cache, seed: int) -> dict:
+    """One hf_specdec call with costs pinned from `table` as evals/replay.py pins them; its record."""
+    ids = torch.tensor([prompt["input_ids"]])
+    window = hf_specdec.SpeculativeConfig().window_for(True)
+    pins = table.pinned_costs(ids.shape[1], "hf", window, MODE)
+    extra = {} if cache is None else dict(retrieval_cache=cache)
+    rounds = []
+    for timer in timers.values():
+        timer.take()
+    torch.manual_seed(seed)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
+                          temperature=workload.temperature, top_p=workload.top_p,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
+                          acceptance_sink=rounds.append, **pins, **extra)
+    work = {name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    return dict(prompt_tokens=ids.shape[1], new_tokens=len(tokens), tokens=tokens, work=work,
+                target_forwards=len(work.get("target", [])), rounds=len(rounds),
+                cache_rounds=sum(r.retrieval == "cache" for r in rounds),
+                ngram_rounds=sum(r.retrieval == "ngram" for r in rounds))
+
+
+def finish_record(record: dict, prompt: dict, tokenizer, tables: dict[str, CostTable], execute: bool) -> dict:
+    """A call's record completed: its text, whether its program passes (HumanEval), its prices."""
+    record["text"] = None if tokenizer is None else tokenizer.decode(record["tokens"], skip_special_tokens=True)
+    record["passed"] = None
+    if execute and record["text"] is not None and "problem" in prompt:
+        record["passed"] = passes(program(prompt["problem"], record["text"], prompt.get("chat", True)))
+    record["modelled"] = {label: dict(zip(("hf_specdec", "plain"), price(record, t))) for label, t in tables.items()}
+    first = record["modelled"][next(iter(tables))]
+    record["modelled_seconds"], record["plain_modelled_seconds"] = first["hf_specdec"], first["plain"]
+    return record
+
+
+def run_method(target, draft, tokenizer, prompts: list[dict], workload: Workload, method: str,
+               tables: dict[str, CostTable], settings: dict, timers: dict, sink) -> tuple[list[dict], dict]:
+    """Every call of `method` on `workload`: n samples a prompt, prompts in order; (records, run)."""
+    cache = hf_specdec.RetrievalCache() if method == "hf_specdec+cache" else None
+    pin = next(iter(tables.values()))
+    records, start = [], time.perf_counter()
+    for prompt in prompts:
+        for sample in range(settings["samples"]):
+            began = time.perf_counter()
+            record = one_call(target, draft, prompt, workload, pin, settings["max_new_tokens"], timers, cache,
+                              settings["seed"] + sample)
+            record = dict(workload=workload.name, id=prompt["id"], sample=sample, method=method, **record)
+            records.append(finish_record(record, prompt, tokenizer, tables, settings["execute"]))
+            sink(record)
+            print(f"{workload.name} {method} {prompt['id']} sample {sample}: {record['new_tokens']} tokens, "
+                  f"{record['rounds']} rounds ({record['cache_rounds']} cache), {record['modelled_seconds']:.2f} s "
+                  f"modelled, passed {record['passed']}, {time.perf_counter() - began:.1f} s wall", file=sys.stderr,
+                  flush=True)
+    run = dict(workload=workload.name, method=method, wall_seconds=time.perf_counter() - start,
+               cache_tokens=None if cache is None else len(cache),
+               cache_bytes=None if cache is None else cache.memory_bytes())
+    return records, run
+
+
+def run_all(target, draft, tokenizer, prompts: dict[str, list[dict]], tables: dict[str, CostTable], samples: int = 8,
+            max_new_tokens: int = 128, seed: int = 0, execute: bool = True, sink=None) -> tuple[list[dict], list[dict]]:
+    """Both methods on each workload of `prompts` ({workload name: prompts}); (records, runs). The
+    first table pins hf_specdec's costs; every table prices the work. `tokenizer` None: no texts."""
+    timers = {"target": ForwardTimer(target), "hf": ForwardTimer(draft)}
+    settings = dict(samples=samples, max_new_tokens=max_new_tokens, seed=seed, execute=execute)
+    records, runs = [], []
+    for name, workload_prompts in prompts.items():
+        for method in METHODS:
+            done, run = run_method(target, draft, tokenizer, workload_prompts, WORKLOADS[name], method, tables,
+                                   settings, timers, sink or (lambda record: None))
+            records += done
+            runs.append(run)
+    return records, runs
+
+
+# ---------------------------------------------------------------- figures
+
+
+def figures(records: list[dict], run: dict, labels: list[str]) -> dict:
+    """One method on one workload: totals, speedups over plain per table, cache, pass@k."""
+    calls = [r for r in records if r["workload"] == run["workload"] and r["method"] == run["method"]]
+    tokens, forwards = sum(r["new_tokens"] for r in calls), sum(r["target_forwards"] for r in calls)
+    rounds = sum(r["rounds"] for r in calls)
+    out = dict(run, calls=len(calls), new_tokens=tokens, target_forwards=forwards, rounds=rounds,
+               cache_round_share=sum(r["cache_rounds"] for r in calls) / max(1, rounds),
+               tokens_per_target_forward=tokens / max(1, forwards), speedup={}, median_speedup={})
+    by_prompt = {}
+    for r in calls:
+        by_prompt.setdefault(r["id"], []).append(r)
+    for label in labels:
+        out["speedup"][label] = _speedup(calls, label)
+        per_prompt = [v for v in (_speedup(rs, label) for rs in by_prompt.values()) if v is not None]
+        out["median_speedup"][label] = statistics.median(per_prompt) if per_prompt else None
+    passed = {pid: [r["passed"] for r in rs] for pid, rs in by_prompt.items()}
+    if calls and all(p is not None for ps in passed.values() for p in ps):
+        n = min(len(ps) for ps in passed.values())
+        out["pass@1"] = statistics.mean(pass_at_k(len(ps), sum(ps), 1) for ps in passed.values())
+        out[f"pass@{n}"] = statistics.mean(pass_at_k(len(ps), sum(ps), n) for ps in passed.values())
+    return out
+
+
+def _speedup(calls: list[dict], label: str) -> float | None:
+    """Pooled over `calls`: tokens per modelled second against plain's for the same tokens."""
+    tokens = sum(r["new_tokens"] for r in calls)
+    ours, plain = (sum(r["modelled"][label][k] for r in calls) for k in ("hf_specdec", "plain"))
+    return speedup_over_plain(tokens, ours, tokens, plain) if tokens and ours > 0 and plain > 0 else None
+
+
+def _cell(value, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_lines(rows: list[dict], labels: list[str]) -> list[str]:
+    """A markdown table: one row per workload and method."""
+    passes_k = sorted({k for r in rows for k in r if k.startswith("pass@")}, key=lambda k: int(k[5:]))
+    head = (["workload", "method", "calls", "new tokens", "target forwards", "tokens / target forward",
+             "rounds verifying the cache"] + [f"speedup ({label}) overall / median over prompts" for label in labels]
+            + passes_k + ["cache tokens", "cache MB", "wall s"])
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        cells = [r["workload"], r["method"], str(r["calls"]), str(r["new_tokens"]), str(r["target_forwards"]),
+                 _cell(r["tokens_per_target_forward"]), f"{100 * r['cache_round_share']:.0f}%"]
+        cells += [f"{_cell(r['speedup'][label])} / {_cell(r['median_speedup'][label])}" for label in labels]
+        cells += [_cell(r.get(k), ".3f") for k in passes_k]
+        cells += [_cell(r["cache_tokens"], "d"), _cell(None if r["cache_bytes"] is None else r["cache_bytes"] / 1e6),
+                  f"{r['wall_seconds']:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def report(records: list[dict], runs: list[dict], table_paths: dict[str, str], command: str) -> tuple[str, list[dict]]:
+    """results.md's text and its rows."""
+    labels = list(table_paths)
+    rows = [figures(records, run, labels) for run in runs]
+    pin = labels[0]
+    notes = [
+        "# Repetition across calls: n samples a prompt, hf_specdec alone and with a shared RetrievalCache", "",
+        f"Command: `{command}`", "",
+        f"Cost tables: " + ", ".join(f"{label} = `{path}`" for label, path in table_paths.items()) + ". hf_specdec's "
+        f"costs were pinned from {pin}: its choices were made under {pin}"
+        + (", and the other tables reprice the same work (they do not replay it)." if len(labels) > 1 else "."),
+        "Plain sampling was not run: its modelled time is the known work of plain decoding (a prefill, then one "
+        "one-token target forward per further token) for the same number of new tokens as each call, priced with "
+        "engine \"transformers\". Speedup = (tokens / method's modelled s) / (tokens / plain's modelled s); median "
+        "over prompts pools each prompt's samples. Every position is priced at the table's \"sampling\" row.",
+        "Sampled outputs differ between the methods (each call draws its own tokens); pass@k shows both produce "
+        "answers of the same quality. \"rounds verifying the cache\": rounds whose retrieved tokens came from the "
+        "RetrievalCache (RoundRecord.retrieval == \"cache\"). pass_at_k continues each HumanEval problem's prompt "
+        "(the harness's way) unless the command has --humaneval-chat. Wall seconds are informational.", "",
+    ]
+    return "\n".join(notes + table_lines(rows, labels)) + "\n", rows
+
+
+# ---------------------------------------------------------------- the script
+
+
+def workload_prompts(tokenizer, names: list[str], limit: int | None,
+                     humaneval_chat: bool = False) -> dict[str, list[dict]]:
+    """Per workload, its report-split prompts as the standard preset picks them (the first `limit`),
+    chat-formatted (`common.load_prompts`). HumanEval prompts carry their problem (prompt, test, entry
+    point) and, unless `humaneval_chat`, are the problem's prompt alone, to be continued (the harness's way)."""
+    problems = {p["task_id"]: p for p in map(json.loads, HUMANEVAL.read_text().splitlines())}
+    out = {}
+    for name in names:
+        prompts = load_prompts(tokenizer, [WORKLOADS[name].category], REPORT_PROMPTS, "report")[:limit]
+        for prompt in (p for p in prompts if p["id"] in problems):
+            prompt.update(problem=problems[prompt["id"]], chat=humaneval_chat)
+            if not humaneval_chat:
+                prompt["input_ids"] = tokenizer(problems[prompt["id"]]["prompt"])["input_ids"]
+        out[name] = prompts
+    return out
+
+
+def table_labels(paths: list[str]) -> dict[str, str]:
+    """{label: path}: each table named by its folder (made unique by position when folders repeat)."""
+    labels = {}
+    for i, path in enumerate(paths):
+        label = Path(path).resolve().parent.name or f"table{i + 1}"
+        labels[label if label not in labels else f"{label}#{i + 1}"] = _shown(path)
+    return labels
+
+
+def _shown(path: str) -> str:
+    """`path` relative to the repository when inside it (as results.md cites it)."""
+    try:
+        return Path(path).resolve().relative_to(HERE.parent).as_posix()
+    except ValueError:
+        return str(Path(path).resolve())
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description="Repetition across calls (issue 39): hf_specdec alone and with a shared RetrievalCache, "
+                    "modelled under a cost table.",
+        epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, "target", "draft", "threads")
+    parser.add_argument("--out", required=True, help="the folder records.jsonl and results.md are written to")
+    parser.add_argument("--cost-table", action="append", default=None,
+                        help=f"a cost_table.json (default {DEFAULT_TABLE.relative_to(HERE.parent)}); the first pins "
+                             "hf_specdec's costs, each one given again reprices the same work")
+    parser.add_argument("--reprice", action="append", default=[], help="another table to reprice the work with")
+    parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--samples", type=int, default=8, help="samples a prompt (n)")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a workload")
+    parser.add_argument("--seed", type=int, default=0, help="sample i is seeded with seed + i")
+    parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs (no pass@k)")
+    parser.add_argument("--humaneval-chat", action="store_true",
+                        help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
+                             "~130-token signature and docstring, so 128 new tokens seldom reach the body) instead of "
+                             "the problem's prompt continued, as the HumanEval harness does")
+    args = parser.parse_args(argv)
+    if args.samples < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
+        parser.error("--samples, --max-new-tokens and --limit must be at least 1")
+    return args
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    apply_threads(args.threads)
+    paths = table_labels([*(args.cost_table or [str(DEFAULT_TABLE)]), *args.reprice])
+    tables = {label: load_table(HERE.parent / path) for label, path in paths.items()}
+    target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")  # bf16 as loaded, as evals/replay.py
+    prompts = workload_prompts(tokenizer, args.workloads, args.limit, args.humaneval_chat)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "records.jsonl", "w") as sink:
+        records, runs = run_all(target, draft, tokenizer, prompts, tables, args.samples, args.max_new_tokens,
+                                args.seed, not args.no_execute,
+                                lambda record: (sink.write(json.dumps(record) + "\n"), sink.flush()))
+    command = "python evals/repetition.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    text, rows = report(records, runs, paths, command)
+    (out / "results.md").write_text(text)
+    print(text)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,63 @@
+"""evals/repetition.py (issue 39) on tiny models: a shared RetrievalCache is verified from the second
+sample of a prompt on, the modelled speedup is priced, and pass@k is the unbiased estimator."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import perturbed, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "evals"))
+
+from costs import CostTable  # noqa: E402
+from repetition import pass_at_k, passes, plain_work, program, report, run_all  # noqa: E402
+
+
+def hand_table() -> CostTable:
+    """A target forward 1 s + 0.1 s per extra token at context 100, twice that at 300; the draft a tenth;
+    prefills 0.01 s a token; a sampled position 1 ms (transformers) or 2 ms (hf_specdec)."""
+    widths, contexts = [1, 3, 9], [100, 300]
+    target = [[1.0 + 0.1 * (w - 1) for w in widths], [2.0 + 0.2 * (w - 1) for w in widths]]
+    return CostTable(widths=widths, contexts=contexts,
+                     forwards={"target": target, "hf": [[t / 10 for t in row] for row in target]},
+                     prefills=[10, 100], prefill={"target": [0.1, 1.0], "hf": [0.01, 0.1]},
+                     position={"sampling": {"transformers": 0.001, "hf_specdec": 0.002}})
+
+
+def test_a_shared_cache_is_verified_from_the_second_sample_and_the_speedup_is_priced():
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    prompts = {"self_consistency": [dict(id="7", input_ids=[1, 5, 2, 7, 9, 4]), dict(id="9", input_ids=[3, 8, 2, 7])]}
+    records, runs = run_all(target, draft, None, prompts, {"hand": hand_table()}, samples=2, max_new_tokens=24)
+    assert len(records) == 2 * 2 * 2 and [r["method"] for r in runs] == ["hf_specdec", "hf_specdec+cache"]
+    alone = [r for r in records if r["method"] == "hf_specdec"]
+    cached = [r for r in records if r["method"] == "hf_specdec+cache"]
+    assert all(r["cache_rounds"] == 0 for r in alone)
+    assert cached[0]["cache_rounds"] == 0 and sum(r["cache_rounds"] for r in cached if r["sample"] == 1) > 0
+    assert runs[1]["cache_tokens"] > 2 * 24 and runs[1]["cache_bytes"] > 0 and runs[0]["cache_tokens"] is None
+    text, rows = report(records, runs, {"hand": "hand.json"}, "python evals/repetition.py")
+    assert rows[1]["speedup"]["hand"] > 0 and rows[1]["median_speedup"]["hand"] > 0 and rows[1]["cache_round_share"] > 0
+    assert "| self_consistency | hf_specdec+cache |" in text
+    # plain's work: a prefill, then one token at a time over the growing context
+    assert plain_work(6, 3) == {"target": [[6, 0], [1, 6], [1, 7]]}
+
+
+def test_pass_at_k_and_the_program_built_from_an_answer():
+    assert pass_at_k(8, 0, 1) == 0 and pass_at_k(8, 0, 8) == 0
+    assert pass_at_k(8, 8, 1) == 1 and pass_at_k(8, 1, 8) == 1
+    assert pass_at_k(8, 1, 1) == pytest.approx(0.125) and pass_at_k(8, 2, 2) == pytest.approx(1 - 15 / 28)
+    problem = dict(prompt="def f(x):\n    \"\"\"Twice x.\"\"\"\n", entry_point="f",
+                   test="def check(candidate):\n    assert candidate(2) == 4\n")
+    # the problem's prompt continued (the harness's way): cut at the stop sequences
+    continued = program(problem, "    return 2 * x\n\ndef g():\n    pass\nprint(f(1))\n")
+    assert "def g" not in continued and "print(" not in continued and continued.endswith("check(f)\n")
+    assert "Done" not in program(problem, "    return 2 * x\n```\nDone.")
+    # a chat answer: the code of its first fenced block, cut after the function it restates
+    restated = program(problem, "Sure:\n```python\ndef f(x):\n    return x + x\n\nprint(f(3))\n```\nDone.", chat=True)
+    assert "return x + x" in restated and "print(" not in restated and "Done" not in restated
+    assert passes(continued) and passes(restated)
+    assert not passes(program(problem, "    return x\n")) and not passes(program(problem, "    while True:\n        pass\n"), 2)

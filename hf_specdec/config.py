@@ -68,10 +68,10 @@ class SpeculativeConfig:
     # False: the draft model drafts num_draft_tokens every round (lookups still compete with it).
     adaptive: bool = True
     # Retrieval: propose the continuation of an earlier occurrence of the last n tokens of the row
-    # (n = ngram_max_size down to ngram_min_size; None: 1 in tree rounds, 2 in chains and batches).
+    # (n = ngram_max_size down to ngram_min_size; a 1-token match is priced by its own acceptance).
     ngram: bool = True
     ngram_max_size: int = 3
-    ngram_min_size: int | None = None
+    ngram_min_size: int = 1
     # Trees (one row, greedy): the retrieved continuations, the draft's chain and its runners-up in
     # one trie, verified in one forward with a tree attention mask; at most tree_max_nodes nodes.
     # False: chains. Sampling always verifies chains (trees were 1.06-1.17x slower there).
@@ -90,20 +90,13 @@ class SpeculativeConfig:
             return 256 if do_sample else 64
         return self.draft_window
 
-    def lookup_min_size(self, trees: bool) -> int:
-        """The shortest n-gram match proposed, in tree rounds or not (`ngram_min_size`)."""
-        if self.ngram_min_size is not None:
-            return self.ngram_min_size
-        return 1 if trees else min(2, self.ngram_max_size)
-
     def __post_init__(self) -> None:
         # Types first (a bool is not a number here, though Python says True == 1), then ranges.
         for name in ("num_draft_tokens", "ngram_max_size", "tree_max_nodes"):
             _check_int(name, getattr(self, name), minimum=1)
-        if self.ngram_min_size is not None:
-            _check_int("ngram_min_size", self.ngram_min_size, minimum=1, none="or None")
-            if self.ngram_min_size > self.ngram_max_size:
-                raise ValueError(f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}")
+        _check_int("ngram_min_size", self.ngram_min_size, minimum=1)
+        if self.ngram_min_size > self.ngram_max_size:
+            raise ValueError(f"need 1 <= ngram_min_size <= ngram_max_size, got {self.ngram_min_size} and {self.ngram_max_size}")
         for name in ("adaptive", "ngram", "tree"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -205,7 +205,7 @@ def _start(
     if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
         if retrieval_cache is None and (rows > 1 or requests is not None):
             retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
-        lookup = Retrieval(NgramDrafter(config.ngram_max_size, config.lookup_min_size(trees)), retrieval_cache,
+        lookup = Retrieval(NgramDrafter(config.ngram_max_size, config.ngram_min_size), retrieval_cache,
                            planner.acceptance.lookup_at)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "

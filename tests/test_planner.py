@@ -386,8 +386,7 @@ def test_speculative_config_and_bad_values():
     with pytest.raises(TypeError):
         hf_specdec.SpeculativeConfig(prefill_patience=1.0)  # a removed setting is not silently accepted
     default = hf_specdec.SpeculativeConfig()  # 1-gram matches in tree rounds only; an explicit value everywhere
-    assert default.lookup_min_size(trees=True) == 1 and default.lookup_min_size(trees=False) == 2
-    assert hf_specdec.SpeculativeConfig(ngram_min_size=3).lookup_min_size(trees=True) == 3
+    assert default.ngram_min_size == 1  # in trees and chains: a 1-token match is priced by its own acceptance
     assert len(hf_specdec.config.SETTINGS) <= 12
 
 

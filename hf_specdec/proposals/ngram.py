@@ -59,7 +59,7 @@ class NgramDrafter(Drafter):
     def __init__(
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
-        min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
+        min_ngram: int = _DEFAULTS.ngram_min_size,
         max_tokens: int = MAX_TOKENS,
         match_cap: int = MATCH_CAP,
     ):
@@ -105,7 +105,7 @@ class NgramCandidateGenerator(CandidateGenerator):
     def __init__(
         self,
         max_ngram: int = _DEFAULTS.ngram_max_size,
-        min_ngram: int = _DEFAULTS.lookup_min_size(trees=False),
+        min_ngram: int = _DEFAULTS.ngram_min_size,
         max_tokens: int = MAX_TOKENS,
     ):
         self.drafter = NgramDrafter(max_ngram, min_ngram, max_tokens)

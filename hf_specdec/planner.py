@@ -7,15 +7,14 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   once timed `TIMED` times, a least-squares line through those means for the others, and before that
   a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
 * `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
-  were), and its confidence calibrated against what the target accepted; for retrieval, per size of
-  the n-gram match, learned from lookups verified and from those scored against the emitted tokens.
+  were), and its confidence calibrated against what the target accepted; per retrieval source
+  (`MatchAcceptance`), per match size, from lookups verified and those scored against the output.
 * `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted))
   are taken best first and the prefix with the most expected tokens per unit of cost is kept
   (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
   draft runs when its planned chain (`draft_length`; a cold draft also pays its prefill, spread over
   what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
-  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds without
-  it (doubling after a failed try, up to `MAX_PROBE`).
+  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
 
 Exactness does not depend on any of this: every decision is a function of the past rounds and of the
 draft's own tokens before the one decided on, never of the uniforms that verify them. Measured costs
@@ -65,8 +64,7 @@ class CostCurve:
         return {w: s for (r, w), s in self.seconds.items() if r == self.rows and self.seen[r, w] >= 1}
 
     def _line(self) -> tuple[float, float] | None:
-        """(seconds of a one-token step, d) through the timed widths' means (least squares), or
-        from the one width timed and the prior slope; None before any."""
+        """(a step's seconds, d): least squares through the widths' means; one width: the prior slope."""
         means = self._means()
         if not means:
             return None
@@ -118,9 +116,8 @@ class CostCurve:
 
     def observe(self, width: int, seconds: float, draft_steps: int = 0, draft_seconds: float = 0.0,
                 columns: int = 0) -> None:
-        """One round's target forward over `width` new tokens (`columns` fed: the whole prompt in the
-        first round) and `draft_steps` timed draft steps. The first round encodes the prompt: kept for
-        d0 and the draft's prefill price, not a width's time."""
+        """One round's target forward over `width` new tokens (`columns` fed) and `draft_steps` timed
+        draft steps. The first round's (the prompt's encoding) sets d0 and the draft's prefill price."""
         self.rounds += 1
         if self.pinned is not None:
             return
@@ -156,8 +153,7 @@ class Acceptance:
 
     def draft_at(self, i: int) -> float:
         """P(draft token i + 1 accepted | the ones before it were): its depth's estimate, or the pooled
-        one where that depth was never reached (so a depth the draft stops short of is not stuck at
-        the prior)."""
+        one where that depth was never reached (not stuck at the prior where the draft stops short)."""
         return self.draft[i] if self.draft_seen[i] or i == 0 else self.pooled
 
     def draft_reach(self, k: int) -> list[float]:
@@ -174,16 +170,11 @@ class Acceptance:
         return self.hits[b] / self.tries[b]
 
     def lookup_at(self, size: int | None, source: str = NGRAM) -> float:
-        """The acceptance of a token `source` retrieved after a match of `size` tokens (`MatchAcceptance`)."""
+        """The acceptance of a token `source` retrieved after a match of `size` tokens."""
         return self.matches(source).at(size)
 
     def matches(self, source: str = NGRAM) -> "MatchAcceptance":
-        """The acceptance per match size of one retrieval source (created at the prior when first asked)."""
-        return self.retrieval.setdefault(source, MatchAcceptance())
-
-    @property
-    def lookup_seen(self) -> dict[int, int]:
-        return self.matches(NGRAM).seen
+        return self.retrieval.setdefault(source, MatchAcceptance())  # at the prior when first asked
 
     def observe_draft(self, drafted: int, accepted: int, first_hit: bool, confidences: Sequence[float] | None,
                       weight: float) -> None:
@@ -223,8 +214,7 @@ class MatchAcceptance:
         self.seen: dict[int, int] = {}
 
     def at(self, size: int | None) -> float:
-        """That size's estimate, or where none yet the nearest shorter size's (a longer match is no
-        weaker a clue), or the pooled one."""
+        """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
         if size in self.per_size:
             return self.per_size[size]
         shorter = [s for s in self.per_size if size and s < size]
@@ -276,10 +266,9 @@ class Planner:
 
     def best_nodes(self, reach: list[list[float]], base: float = 0.0, most: int | None = None,
                    keep: list[list[int]] | None = None) -> tuple[list[list[int]], float]:
-        """(per row the nodes to verify, sorted; the expected tokens per unit of cost). `reach[r][j]`:
-        P(row r's node j and its ancestors are accepted), non-increasing from a parent to its children,
-        which come after it. Nodes in `keep` are taken first; then the others best first, up to `most`
-        nodes, and the prefix of that order with the best rate is kept. `base`: cost already spent."""
+        """(per row the nodes to verify, sorted; expected tokens per unit of cost). `reach[r][j]`: P(row
+        r's node j and its ancestors accepted), children after their parent. `keep` first; then the rest
+        best first, up to `most`, and the prefix with the best rate is kept. `base`: cost already spent."""
         rows = len(reach)
         chosen = [sorted(k) for k in keep] if keep else [[] for _ in range(rows)]
         taken = {(r, j) for r in range(rows) for j in chosen[r]}
@@ -301,9 +290,8 @@ class Planner:
         return [sorted(c) for c in chosen], best_rate
 
     def draft_length(self, most: int, prefill: int = 0, remaining: int = 0) -> tuple[int, float]:
-        """(k, rate): the draft length with the best expected tokens per unit of cost for the batch
-        (each row's chain reaching as `Acceptance.draft_reach` says), its prefill spread over what it
-        is expected to draft; (0, 0.0) when it cannot draft."""
+        """(k, rate): the draft length with the best expected tokens per unit of cost for the batch, its
+        prefill spread over what it is expected to draft (`_cold`); (0, 0.0) when it cannot draft."""
         rows, c = self.rows, self.curve.draft_step
         best, best_rate, gain = 0, 0.0, 0.0
         for k, p in enumerate(self.acceptance.draft_reach(most), start=1):
@@ -314,8 +302,7 @@ class Planner:
         return best, self._cold(best_rate, prefill, remaining) if best else 0.0
 
     def _cold(self, rate: float, prefill: int, remaining: int) -> float:
-        """A draft rate with the draft's prefill of `prefill` tokens spread over what it is expected to
-        draft: the `remaining` tokens of every row, less the share of rounds retrieval takes."""
+        """A draft rate with its prefill of `prefill` tokens spread over what it is expected to draft."""
         if not prefill:
             return rate
         share = self.retrieval_won / (self.compared + 2.0)  # two pseudo-rounds in which retrieval lost
@@ -323,19 +310,16 @@ class Planner:
         return drafted / (drafted / rate + self.curve.prefill(prefill))
 
     def _with_draft(self, retrieved: list[list[float]], k: int, merge: bool, most: int | None) -> float:
-        """Expected tokens per unit of cost of a round that drafts k tokens: in a tree (`merge`) the
-        draft's chain beside the retrieved nodes, in chains each row's better one (its lookup or the
-        draft's chain), the nodes that pay kept (`best_nodes`)."""
+        """Expected tokens per unit of cost of a round drafting k tokens: in a tree (`merge`) the chain
+        beside the retrieved nodes, in chains each row's better one; the nodes that pay kept."""
         chain = self.acceptance.draft_reach(k)
         candidates = [retrieved[0] + chain] if merge else [r if sum(r) > sum(chain) else chain for r in retrieved]
         return self.best_nodes(candidates, base=k * self.curve.draft_step, most=most)[1]
 
     def stop_rule(self, most: int) -> Callable[[list[float]], bool]:
-        """A fresh `keep_drafting(confidences)` for one round, where reading each drafted token's
-        confidence costs nothing (the CPU): after each token, given per row the draft's probability of
-        it, whether to draft another, looking no further than `most` tokens. It drafts on while
-        stopping at some later length (each further token reaching as `Acceptance.draft` says) beats
-        stopping now, for the batch as a whole (tokens summed over rows, per unit of its cost)."""
+        """A fresh `keep_drafting(confidences)` for one round (where reads are free): given per row the
+        draft's probability of its last token, whether to draft another (up to `most`): while stopping
+        later (further tokens reaching as `Acceptance.draft` says) beats stopping now, for the batch."""
         c, price, alpha = self.curve.draft_step, self.curve.verify_price, self.acceptance.draft_at
         reach: list[float] = []  # per row, P(its drafted tokens so far are all accepted)
         tokens, j = 0.0, 0  # the batch's expected tokens so far; tokens drafted
@@ -366,10 +350,9 @@ class Planner:
 
     def plan(self, retrieved: list[list[float]], draft_room: int, prefill: int = 0, remaining: int = 0,
              most: int | None = None, merge: bool = False) -> RoundPlan:
-        """This round: per row the reach of each retrieved node (`best_nodes`), at most `draft_room`
-        draft tokens (0: the draft cannot run), the draft's `prefill` tokens still to encode and the
-        `remaining` tokens to generate, at most `most` nodes per round; `merge`: a tree round (the
-        draft's chain joins the retrieved nodes rather than replacing a row's lookup)."""
+        """This round, from per row the reach of each retrieved node, at most `draft_room` draft tokens,
+        the draft's `prefill` tokens to encode, the `remaining` tokens, at most `most` nodes; `merge`: a
+        tree round (the draft's chain joins the retrieved nodes rather than replacing a row's lookup)."""
         nodes, rate = self.best_nodes(retrieved, most=most)
         if not draft_room:
             return RoundPlan(0, nodes, rate)

@@ -165,9 +165,9 @@ def test_lookup_acceptance_is_kept_per_match_size_and_unverified_lookups_are_sco
     assert acceptance.lookup_at(8) == acceptance.lookup_at(3)  # a longer match starts from the nearest shorter
     before = acceptance.lookup_at(2)
     acceptance.score_unverified([4, 5, 6], [4, 5, 9], size=2)  # accepted, accepted, rejected: stop there
-    assert acceptance.lookup_seen[2] == 3 and acceptance.lookup_at(2) != before
+    assert acceptance.matches().seen[2] == 3 and acceptance.lookup_at(2) != before
     acceptance.score_unverified([], [1, 2], size=2)  # nothing proposed: nothing learned
-    assert acceptance.lookup_seen[2] == 3
+    assert acceptance.matches().seen[2] == 3
 
 
 def test_ngram_match_sizes_follow_the_longest_match():

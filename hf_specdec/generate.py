@@ -34,7 +34,7 @@ from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, Ng
 from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
-from .stats import AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
+from .stats import CACHE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 
 logger = logging.getLogger(__name__)
 
@@ -205,6 +205,8 @@ def _start(
     if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
         if retrieval_cache is None and (rows > 1 or requests is not None):
             retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
+        if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
+            planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
         lookup = Retrieval(NgramDrafter(config.ngram_max_size, config.ngram_min_size), retrieval_cache,
                            planner.acceptance.lookup_at)
     if requests is not None and not can_gather((cache, drafter.cache)):

@@ -36,6 +36,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from .planner import MatchAcceptance
 from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
 
@@ -174,6 +175,9 @@ class RetrievalCache:
         self._finished = _Finished(index_ngram)
         self._lengths: deque[int] = deque()  # each finished sequence's length in the store, oldest first
         self._open = _Open(index_ngram)  # sequences being generated, by key (a row of a call)
+        # P(a token it proposes is accepted), per match size: learned by every call that uses the cache
+        # (each call's planner holds this object), so a later call starts from what earlier ones saw
+        self.acceptance = MatchAcceptance()
 
     # ------------------------------------------------------------------ adding
 
@@ -243,7 +247,9 @@ class RetrievalCache:
                 start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
-            Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences}))
+            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
+            Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
+                                              "acceptance": learned}))
 
     @classmethod
     def load(cls, path: str | Path) -> "RetrievalCache":
@@ -255,6 +261,10 @@ class RetrievalCache:
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
         cache = cls(**data["settings"])
+        learned = data.get("acceptance") or {}
+        cache.acceptance.pooled = float(learned.get("pooled", cache.acceptance.pooled))
+        cache.acceptance.per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
+        cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
         with cache._lock:
             for tokens in data["sequences"]:
                 cache._add([int(t) for t in tokens])

@@ -58,9 +58,11 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
     assert cache.lookup([100], max_tokens=1) == ([], 0)  # the oldest are gone
     assert cache.lookup([119, 119], max_tokens=2) == ([[119, 119]], 2)  # the newest remain
     assert 0 < cache.memory_bytes() < 100_000
+    cache.acceptance.observe(4, False)
     cache.save(tmp_path / "cache.json")
     loaded = RetrievalCache.load(tmp_path / "cache.json")
     assert len(loaded) == len(cache) and loaded.max_tokens == 60
+    assert loaded.acceptance.at(4) == cache.acceptance.at(4) < 0.8 and loaded.acceptance.seen == {4: 1}
     assert loaded.lookup([119, 119], max_tokens=2) == cache.lookup([119, 119], max_tokens=2)
     (tmp_path / "other.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="not a saved hf_specdec.RetrievalCache"):
@@ -120,6 +122,7 @@ def test_greedy_with_a_cache_equals_plain_greedy_and_a_repeated_prompt_is_retrie
     # the third call answers the first prompt again: its whole output is in the cache
     assert Counter(r.retrieval for r in records)["cache"] >= 1 and out.acceptance.rounds <= 5
     assert len(cache) >= 3 * 40
+    assert sum(cache.acceptance.seen.values()) > 0  # what its proposals earned is kept for the next call
 
 
 def test_rows_of_a_batch_retrieve_from_each_other_and_stay_exact_in_greedy():

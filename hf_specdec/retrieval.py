@@ -29,6 +29,7 @@ calls in several threads of one process may share a cache; `save` / `load` keep 
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 import threading
@@ -125,7 +126,9 @@ class _Open:
         """As `_Finished.matches`, over every open sequence but `exclude`, most recent first."""
         entries = self.index.get(tuple(query[len(query) - n :]))
         out, dead = [], 0
-        for key, end in reversed(entries or ()):
+        # the most recent 4 x `most` entries only: at a batch's first rounds thousands of rows end in the
+        # same n-gram with nothing after it yet, and scanning them all would cost rows x rows a round
+        for key, end in itertools.islice(reversed(entries or ()), 4 * most):
             tokens = self.tokens.get(key)
             if tokens is None:
                 dead += 1  # a sequence closed since

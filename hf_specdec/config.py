@@ -111,11 +111,11 @@ class SpeculativeConfig:
 SETTINGS = tuple(f.name for f in fields(SpeculativeConfig))
 
 
-def _check_int(name: str, value, minimum: int, none: str = "") -> None:
+def _check_int(name: str, value, minimum: int) -> None:
     """A ValueError naming `name` unless `value` is an int (not a bool) of at least `minimum`."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {kind}{' ' + none if none else ''}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}, got {value!r}")
 
 
 def _check_number(name: str, value, positive: bool = False) -> None:

@@ -103,26 +103,43 @@ def simulate(args) -> None:
 
 
 def medians(rows: list[dict], plain: dict, table: CostTable, engine: str) -> dict:
-    """mode -> category -> median modelled speedup over plain of `rows` (one method)."""
-    out: dict = {}
+    """mode -> category -> median over prompts of the modelled speedup over plain of `rows` (one method).
+    Where a prompt has several seeds (sample paths), its rate is its tokens over its modelled seconds
+    summed over them, plain's likewise over plain's seeds: a path that ends after a few tokens weighs
+    what its tokens weigh."""
+    totals: dict = {}
     for r in rows:
-        base = plain.get((r["mode"], r["id"]))
-        if base is None or not r.get("new_tokens"):
+        if (r["mode"], r["id"]) not in plain or not r.get("new_tokens"):
             continue
-        seconds = table.modelled_seconds(r["work"], r["mode"], engine)
-        value = speedup_over_plain(r["new_tokens"], seconds, base["new_tokens"],
-                                   table.modelled_seconds(base["work"], r["mode"], "transformers"))
-        out.setdefault(r["mode"], {}).setdefault(r["category"], []).append(value)
+        t = totals.setdefault((r["mode"], r["id"], r["category"]), [0, 0.0])
+        t[0] += r["new_tokens"]
+        t[1] += table.modelled_seconds(r["work"], r["mode"], engine)
+    out: dict = {}
+    for (mode, prompt, category), (tokens, seconds) in totals.items():
+        bases = plain[(mode, prompt)]
+        value = speedup_over_plain(tokens, seconds, sum(b["new_tokens"] for b in bases),
+                                   sum(table.modelled_seconds(b["work"], mode, "transformers") for b in bases))
+        out.setdefault(mode, {}).setdefault(category, []).append(value)
     return {mode: {c: statistics.median(v) for c, v in cats.items()} for mode, cats in out.items()}
+
+
+def read_folders(spec: str) -> list[dict]:
+    """Records of one or more replay folders (comma-separated: one per seed)."""
+    return [json.loads(x) for folder in spec.split(",") for x in open(Path(folder) / "replay.jsonl")]
 
 
 def table_command(args) -> dict:
     records = read_records(Path(args.records))
-    plain = {(r["mode"], r["id"]): r for r in records if r["method"] == "plain"}
-    fixed_rows: dict[str, list[dict]] = {"lookup (transformers)": [r for r in records if r["method"] == "prompt_lookup"]}
-    for folder in args.fixed:
-        for r in map(json.loads, open(Path(folder) / "replay.jsonl")):
-            name = r["method"] if r["method"].startswith("fixed_") else f"fixed_{Path(folder).name}"
+    plain: dict = {}
+    for r in records + (read_folders(args.plain) if args.plain else []):
+        if r["method"] == "plain":
+            plain.setdefault((r["mode"], r["id"]), []).append(r)
+    lookup = [r for r in records + (read_folders(args.lookup) if args.lookup else []) if r["method"] == "prompt_lookup"]
+    fixed_rows: dict[str, list[dict]] = {"lookup (transformers)": lookup}
+    for spec in args.fixed:
+        named, _, folders = spec.rpartition("=")
+        for r in read_folders(folders):
+            name = named or (r["method"] if r["method"].startswith("fixed_") else f"fixed_{Path(folders).name}")
             fixed_rows.setdefault(name.replace("fixed_fixed-", "fixed_"), []).append(r)
     lines, summary = [], {}
     for spec in args.regime:
@@ -131,7 +148,7 @@ def table_command(args) -> dict:
         table = CostTable.load(Path(table_path))
         if "hf" not in table.forwards:
             table.alias("hf", "bf16")
-        planner = medians([json.loads(x) for x in open(Path(replay_dir) / "replay.jsonl")], plain, table, "hf_specdec")
+        planner = medians(read_folders(replay_dir), plain, table, "hf_specdec")
         fixed = {n: medians(rows, plain, table, "transformers" if n.startswith("lookup") else "hf_specdec")
                  for n, rows in fixed_rows.items()}
         for mode in sorted(planner):
@@ -194,8 +211,11 @@ def main(argv=None) -> None:
     sim.add_argument("--max-new-tokens", type=int, default=64)
     tab = sub.add_parser("table", help="the planner against the best fixed strategy, per regime, mode and category")
     tab.add_argument("--records", default=str(STANDARD))
-    tab.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR")
-    tab.add_argument("--fixed", nargs="+", default=[], help="folders with replay.jsonl of fixed strategies")
+    tab.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
+    tab.add_argument("--fixed", nargs="+", default=[],
+                     help="folders with replay.jsonl of fixed strategies, or NAME=DIR,DIR,... (one folder per seed)")
+    tab.add_argument("--plain", default=None, help="replay folders of plain under other seeds (comma-separated)")
+    tab.add_argument("--lookup", default=None, help="replay folders of transformers' prompt lookup under other seeds")
     tab.add_argument("--out", default=None, help="write the markdown table here")
     cmp = sub.add_parser("compare", help="old code against new under one cost table")
     cmp.add_argument("--records", default=str(STANDARD))

@@ -65,22 +65,31 @@ def choices(rounds: list) -> dict[str, int]:
 
 
 def replay_prompt(target, draft, prompt: dict, mode: str, seed: int, table: CostTable, max_new_tokens: int,
-                  timers: dict, settings: dict) -> dict:
-    """One hf_specdec call on `prompt` with costs pinned from `table`; its record."""
+                  timers: dict, settings: dict, method: str = "hf_specdec") -> dict:
+    """One call of `method` on `prompt` (hf_specdec with costs pinned from `table`; plain or
+    transformers' prompt lookup as the eval runs them); its record."""
     ids = torch.tensor([prompt["input_ids"]])
-    window = hf_specdec.SpeculativeConfig().window_for(mode == "sampling")
-    pins = table.pinned_costs(ids.shape[1], "hf", window, mode)
     rounds = []
+    kwargs = {}
+    if method == "hf_specdec":
+        config = {k: v for k, v in settings.items() if k in hf_specdec.config.SETTINGS}  # an ablated window is priced
+        window = hf_specdec.SpeculativeConfig(**config).window_for(mode == "sampling")
+        pins = table.pinned_costs(ids.shape[1], "hf", window, mode)
+        kwargs = dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, acceptance_sink=rounds.append,
+                      **{**pins, **settings})
+    elif method == "prompt_lookup":
+        kwargs = dict(prompt_lookup_num_tokens=10)  # as evals/run_eval.py runs it
+    elif method == "assisted":
+        kwargs = dict(assistant_model=draft)
     for timer in timers.values():
         timer.take()
     torch.manual_seed(seed)
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **MODES[mode],
-                          custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
-                          acceptance_sink=rounds.append, **{**pins, **settings})
+                          return_dict_in_generate=True, **kwargs)
     work = {name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}
     tokens = out.sequences[0, ids.shape[1]:].tolist()
-    return dict(id=prompt["id"], category=prompt["category"], mode=mode, method="hf_specdec", new_tokens=len(tokens),
-                tokens=tokens, work=work, modelled_seconds=table.modelled_seconds(work, mode, "hf_specdec"),
+    return dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method, seed=seed, new_tokens=len(tokens),
+                tokens=tokens, work=work, modelled_seconds=table.modelled_seconds(work, mode, ENGINES[method]),
                 choices=choices(rounds), rounds=len(rounds))
 
 
@@ -153,6 +162,12 @@ def main(argv=None) -> dict:
     parser.add_argument("--ids", nargs="+", default=None, help="only these prompt ids (a quick look)")
     parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
     parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
+    parser.add_argument("--seed-offset", type=int, default=0,
+                        help="prompt i is seeded with 1000 * offset + i (0: as the eval seeds it); another offset "
+                             "draws other sample paths, for several seeds per prompt")
+    parser.add_argument("--method", choices=tuple(ENGINES), default="hf_specdec",
+                        help="what to replay: hf_specdec, or plain / transformers' methods under a new seed "
+                             "(their work does not depend on costs; the records hold seed 0's)")
     parser.add_argument("--retrieval-cache", action="store_true",
                         help="one hf_specdec.RetrievalCache per mode shared by every prompt's call, in order (the "
                              "standard preset has no repetition across prompts: what the cache costs there)")
@@ -205,8 +220,8 @@ def main(argv=None) -> dict:
             plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == mode}
             for seed, prompt_id in enumerate(order[: args.limit]):
                 start = time.perf_counter()
-                record = replay_prompt(target, draft, by_id[prompt_id], mode, seed, table, args.max_new_tokens,
-                                       timers, settings)
+                record = replay_prompt(target, draft, by_id[prompt_id], mode, 1000 * args.seed_offset + seed, table,
+                                       args.max_new_tokens, timers, settings, args.method)
                 record["same_as_plain"] = record["tokens"] == plain[prompt_id]["tokens"]
                 replayed.append(record)
                 sink.write(json.dumps(record) + "\n")

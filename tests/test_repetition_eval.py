@@ -61,3 +61,27 @@ def test_pass_at_k_and_the_program_built_from_an_answer():
     assert "return x + x" in restated and "print(" not in restated and "Done" not in restated
     assert passes(continued) and passes(restated)
     assert not passes(program(problem, "    return x\n")) and not passes(program(problem, "    while True:\n        pass\n"), 2)
+
+
+def test_the_wall_clock_ways_count_each_rows_tokens_to_its_eos_and_rate_against_plain():
+    """evals/repetition_wall.py: plain, hf_specdec and hf_specdec+cache as n rows of one call, and the
+    stream through generate_continuous, interleaved; tokens counted per row through its first EOS."""
+    import argparse
+
+    import torch
+    from repetition_wall import row_tokens, run, summary
+
+    assert row_tokens(torch.tensor([[5, 2, 9, 9], [4, 4, 4, 4]]), {2}) == [[5, 2], [4, 4, 4, 4]]
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    prompts = {"self_consistency": [dict(id="7", input_ids=[1, 5, 2, 7, 9, 4])]}
+    args = argparse.Namespace(samples=3, max_new_tokens=12, reps=2, seed=0, continuous=True, no_execute=True)
+    records = run(target, draft, None, prompts, args, lambda r: None)
+    methods = [r["method"] for r in records]
+    assert methods[:4] == ["plain", "hf_specdec", "hf_specdec+cache", "continuous"]
+    assert methods[4:] == ["hf_specdec", "hf_specdec+cache", "continuous", "plain"]  # rotated
+    assert all(r["rows"] == 3 and 3 <= r["new_tokens"] <= 36 and r["seconds"] > 0 for r in records)
+    text, rows = summary(records)
+    plain = next(r for r in rows if r["method"] == "plain")
+    assert plain["speedup"] == 1.0 and all(r["speedup"] > 0 and r["low"] <= r["high"] for r in rows)
+    assert "| self_consistency | continuous |" in text

@@ -175,7 +175,7 @@ def compare_command(args) -> None:
     """Old code against new, one cost table: per mode and category the median modelled speedup of
     each, their ratio, and the paired geometric mean over prompts of new / old modelled time per token."""
     records = read_records(Path(args.records))
-    plain = {(r["mode"], r["id"]): r for r in records if r["method"] == "plain"}
+    plain = {(r["mode"], r["id"]): [r] for r in records if r["method"] == "plain"}
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:
         table.alias("hf", "bf16")

@@ -180,11 +180,9 @@ def main(argv=None) -> dict:
     args = parser.parse_args(argv)
     apply_threads(args.threads)
     if args.accelerator_path:
-        import hf_specdec.rounds
-        import hf_specdec.sampling
-        import hf_specdec.verify
+        from hf_specdec import rounds, sampling, verify  # not `import hf_specdec.x`: that makes hf_specdec local here
 
-        for module in (hf_specdec.verify, hf_specdec.sampling, hf_specdec.rounds):
+        for module in (verify, sampling, rounds):
             module.reads_are_free = lambda device: False
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:

@@ -106,7 +106,7 @@ def speculative_generate(
     finally:
         state.close_sink()
         if state.lookup is not None:
-            state.lookup.close()  # the call's rows join the cache (they stay searchable in later calls)
+            state.lookup.close(state.batch.generated)  # the call's rows join the cache (searchable in later calls)
     return _finish(state)
 
 

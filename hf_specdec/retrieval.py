@@ -42,7 +42,7 @@ from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
 
 SEPARATOR = -1  # between sequences in the store: no match or continuation crosses it
-FORMAT = "hf_specdec.RetrievalCache/1"
+FORMAT = "hf_specdec.RetrievalCache/2"  # "/1" (estimates per match size only) loads without them
 
 
 def _measure(tokens: list[int], end: int, query: list[int], n: int, cap: int) -> int:
@@ -250,7 +250,8 @@ class RetrievalCache:
                 start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
-            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
+            learned = dict(pooled=self.acceptance.pooled, cells=[[*cell, value, self.acceptance.seen.get(cell, 0)]
+                                                                 for cell, value in self.acceptance.cells.items()])
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 
@@ -261,13 +262,14 @@ class RetrievalCache:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
+        if not isinstance(data, dict) or data.get("format") not in (FORMAT, "hf_specdec.RetrievalCache/1"):
             raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
         cache = cls(**data["settings"])
         learned = data.get("acceptance") or {}
         cache.acceptance.pooled = float(learned.get("pooled", cache.acceptance.pooled))
-        cache.acceptance.per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
-        cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
+        for size, bucket, value, seen in learned.get("cells", []):  # (match size, depth bucket): estimate, count
+            cache.acceptance.cells[int(size), int(bucket)] = float(value)
+            cache.acceptance.seen[int(size), int(bucket)] = int(seen)
         with cache._lock:
             for tokens in data["sequences"]:
                 cache._add([int(t) for t in tokens])
@@ -343,7 +345,7 @@ class Retrieval:
         if self.cache is None:
             return
         for row in [r for r in self._known if r not in rows]:
-            self._close(row)
+            self._close(row, generated)
         for row in rows:
             if row not in self._known:
                 self.cache.open((self._key, row), prompts[row])
@@ -353,13 +355,16 @@ class Retrieval:
                 self.cache.extend((self._key, row), new)
                 self._known[row] += len(new)
 
-    def close(self) -> None:
-        """The call ends: its rows join the cache's finished sequences."""
+    def close(self, generated: list[list[int]] | None = None) -> None:
+        """The call ends: its rows, with their last round's tokens (`generated`, per row), join the
+        cache's finished sequences."""
         for row in list(self._known):
-            self._close(row)
+            self._close(row, generated)
 
-    def _close(self, row: int) -> None:
-        self._known.pop(row)
+    def _close(self, row: int, generated: list[list[int]] | None) -> None:
+        known = self._known.pop(row)
+        if generated is not None and generated[row][known:]:
+            self.cache.extend((self._key, row), generated[row][known:])
         self.cache.close((self._key, row))
 
     def match_rows(self, request, rows: list[int]) -> list[tuple[list[int], int, str]]:

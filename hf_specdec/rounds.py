@@ -129,9 +129,9 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
 
 def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str) -> list[float]:
     """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size."""
-    a, out = state.planner.acceptance.lookup_at(size, source), []
-    for _ in tokens:
-        out.append(a * (out[-1] if out else 1.0))
+    at, out = state.planner.acceptance.lookup_at, []
+    for depth in range(len(tokens)):
+        out.append(at(size, source, depth) * (out[-1] if out else 1.0))
     return out
 
 
@@ -222,7 +222,8 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    acceptance = planner.acceptance.lookup_at(size, source)
+    depths = max(map(len, continuations), default=1)
+    acceptance = [planner.acceptance.lookup_at(size, source, d) for d in range(depths)]  # per depth
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
@@ -419,8 +420,9 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
     for i in range(len(accepted)):
         source, length = proposal.source_of(i), proposal.length(i)
         if source == NGRAM:
+            size, origin = _match(trace, i)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(_match(trace, i)[0], j < accepted[i], _match(trace, i)[1])
+                planner.acceptance.observe_lookup(size, j < accepted[i], origin, depth=j)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -441,8 +443,9 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
                               confidences, probe=bool(trace.plan and trace.plan.probe))
     else:
         planner.observe_without_draft()
-    for _, hit in tree.retrieval_events(path):
-        planner.acceptance.observe_lookup(*_match(trace, 0)[:1], hit, _match(trace, 0)[1])
+    size, source = _match(trace, 0)
+    for depth, hit in tree.retrieval_events(path):
+        planner.acceptance.observe_lookup(size, hit, source, depth=depth - 1)
 
 
 def _match(trace: Trace, i: int) -> tuple[int | None, str]:

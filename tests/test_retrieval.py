@@ -59,10 +59,12 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
     assert cache.lookup([119, 119], max_tokens=2) == ([[119, 119]], 2)  # the newest remain
     assert 0 < cache.memory_bytes() < 100_000
     cache.acceptance.observe(4, False)
+    cache.acceptance.observe(4, True, depth=5)
     cache.save(tmp_path / "cache.json")
     loaded = RetrievalCache.load(tmp_path / "cache.json")
     assert len(loaded) == len(cache) and loaded.max_tokens == 60
-    assert loaded.acceptance.at(4) == cache.acceptance.at(4) < 0.8 and loaded.acceptance.seen == {4: 1}
+    assert loaded.acceptance.at(4) == cache.acceptance.at(4) < 0.8 and loaded.acceptance.seen == {(4, 0): 1, (4, 3): 1}
+    assert loaded.acceptance.at(4, depth=5) == cache.acceptance.at(4, depth=5) > 0.8
     assert loaded.lookup([119, 119], max_tokens=2) == cache.lookup([119, 119], max_tokens=2)
     (tmp_path / "other.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="not a saved hf_specdec.RetrievalCache"):
@@ -121,7 +123,9 @@ def test_greedy_with_a_cache_equals_plain_greedy_and_a_repeated_prompt_is_retrie
         assert torch.equal(out.sequences, plain)
     # the third call answers the first prompt again: its whole output is in the cache
     assert Counter(r.retrieval for r in records)["cache"] >= 1 and out.acceptance.rounds <= 5
-    assert len(cache) >= 3 * 40
+    # every call's whole output is kept, its last round's tokens too: per call the prompt (6 tokens,
+    # under the 16-token context), 40 generated tokens and a separator
+    assert len(cache) == 3 * (6 + 40 + 1)
     assert sum(cache.acceptance.seen.values()) > 0  # what its proposals earned is kept for the next call
 
 

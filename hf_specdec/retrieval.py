@@ -339,9 +339,12 @@ class Retrieval:
         self.min_ngram = ngram.min_ngram
         self._known: dict[int, int] = {}  # row -> its tokens the cache holds (prompt tail + generated)
         self._key = object()  # this call's rows, apart from other calls' in a shared cache
+        self.passed_over: dict[int, tuple[list[int], int, str]] = {}  # this round's source not proposed, per row
 
     def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
-        """Bring the cache's copy of each active row up to date; rows no longer active are closed."""
+        """Bring the cache's copy of each active row up to date; rows no longer active are closed. (Each
+        round starts here: what the last round passed over was scored.)"""
+        self.passed_over = {}
         if self.cache is None:
             return
         for row in [r for r in self._known if r not in rows]:
@@ -368,22 +371,29 @@ class Retrieval:
         self.cache.close((self._key, row))
 
     def match_rows(self, request, rows: list[int]) -> list[tuple[list[int], int, str]]:
-        """Per active row: (continuation, match size, source); ([], 0, NGRAM) where nothing matches."""
-        out = []
-        for (tokens, size), row, host in zip(self.ngram.match_rows(request), rows, request.host):
+        """Per active row: (continuation, match size, source); ([], 0, NGRAM) where nothing matches.
+        The source not proposed is kept in `passed_over` (active row -> the same triple), to be scored."""
+        out, self.passed_over = [], {}
+        for i, ((tokens, size), row, host) in enumerate(zip(self.ngram.match_rows(request), rows, request.host)):
             found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), 1, row)
-            if found[0] and self._better(found[1], size):
-                out.append((found[0][0], found[1], CACHE))
-            else:
-                out.append((tokens, size, NGRAM))
+            mine, theirs = (tokens, size, NGRAM), (found[0][0] if found[0] else [], found[1], CACHE)
+            chosen, other = (theirs, mine) if found[0] and self._better(found[1], size) else (mine, theirs)
+            out.append(chosen)
+            if other[0]:
+                self.passed_over[i] = other
         return out
 
     def retrieve(self, request, max_branches: int, row: int = 0) -> tuple[list[list[int]], int, str]:
         """One row's distinct continuations (a tree's retrieved branches), their match size and source."""
         continuations, size = self.ngram.retrieve(request, max_branches)
         found = self._from_cache(request.host[0], min(self.ngram.max_tokens, request.max_tokens), max_branches, row)
+        self.passed_over = {}
         if found[0] and self._better(found[1], size):
+            if continuations:
+                self.passed_over[0] = (continuations[0], size, NGRAM)
             return found[0], found[1], CACHE
+        if found[0]:
+            self.passed_over[0] = (found[0][0], found[1], CACHE)
         return continuations, size, NGRAM
 
     def _from_cache(self, host: list[int], max_tokens: int, branches: int, row: int) -> tuple[list[list[int]], int]:

@@ -412,6 +412,8 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
                                                   *_match(trace, r))
+    for r, (continuation, size, source) in (state.lookup.passed_over.items() if state.lookup else ()):
+        state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
 
 
 def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:

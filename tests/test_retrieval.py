@@ -12,6 +12,7 @@ import torch
 import hf_specdec
 from conftest import perturbed, tiny_model
 from hf_specdec import RetrievalCache
+from hf_specdec.proposals.base import DraftRequest
 
 PINNED = dict(costs=hf_specdec.Costs(draft_step=0.1, verify=0.02))
 
@@ -164,3 +165,31 @@ def test_a_continuous_stream_shares_one_cache_across_its_requests():
     assert [r.tokens.tolist() for r in results] == [plain, plain]
     second = [r for r in records if r.row == 1]
     assert second and any(r.retrieval == "cache" for r in second)  # the second request copies the first's answer
+
+
+def test_the_source_passed_over_is_scored_against_the_emitted_tokens():
+    """A row's cache match is proposed (it is expected to be accepted more often); the in-row
+    continuation it displaced is kept in `passed_over` and learns from the tokens the round emitted."""
+    from hf_specdec.planner import Acceptance
+    from hf_specdec.proposals.ngram import NgramDrafter
+    from hf_specdec.retrieval import Retrieval
+    from hf_specdec.stats import CACHE, NGRAM
+
+    cache = RetrievalCache(context=0)
+    cache.add([5, 6, 7, 8, 9, 10])
+    acceptance = Acceptance(4)
+    for _ in range(30):
+        acceptance.observe_lookup(2, True, CACHE)
+        acceptance.observe_lookup(2, False, NGRAM)
+    retrieval = Retrieval(NgramDrafter(3, 1), cache, acceptance.lookup_at)
+    host = [[1, 6, 7, 3, 6, 7]]  # in-row: "6 7" was followed by 3; the cache: by 8, 9, 10
+    retrieval.sync([host[0][:2]], [host[0][2:]], [0])
+    request = DraftRequest(torch.tensor(host), None, None, max_tokens=3, host=host)
+    (tokens, size, source), = retrieval.match_rows(request, [0])
+    assert (tokens, size, source) == ([8, 9, 10], 2, CACHE)
+    assert retrieval.passed_over == {0: ([3, 6, 7], 2, NGRAM)}
+    before = acceptance.matches(NGRAM).seen.get((2, 0), 0)
+    acceptance.score_unverified(*retrieval.passed_over[0][:1], [3, 9], *retrieval.passed_over[0][1:])
+    assert acceptance.matches(NGRAM).seen[2, 0] == before + 1 and acceptance.matches(NGRAM).seen[2, 1] == 1
+    retrieval.sync([host[0][:2]], [host[0][2:]], [0])  # the next round starts: nothing passed over yet
+    assert retrieval.passed_over == {}

@@ -214,19 +214,19 @@ class MatchAcceptance:
         self.pooled, self.cells, self.seen = PRIOR_LOOKUP, {}, {}  # cells, seen: (size, bucket) -> estimate, count
 
     def at(self, size: int | None, depth: int = 0) -> float:
-        """That cell's estimate, else the nearest seen shorter or shallower one's (at least pooled), else pooled."""
+        """That cell's, else its size's deepest seen shallower one's (no likelier), else a shorter one's (at least pooled)."""
         cell = (size or 0, depth.bit_length())
-        if cell in self.cells:
-            return self.cells[cell]
         known = [c for c in self.cells if size and c[0] <= cell[0] and c[1] <= cell[1]]
-        return max(self.pooled, self.cells[max(known)]) if known else self.pooled
+        if not known:
+            return self.pooled
+        return self.cells[b] if (b := max(known))[0] == cell[0] else max(self.pooled, self.cells[b])
 
     def observe(self, size: int | None, accepted: bool, depth: int = 0) -> None:
         self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
         if size:
-            cell, n = (size, depth.bit_length()), self.seen.get((size, depth.bit_length()), 0)
-            self.cells[cell] = _ema(self.cells.get(cell, self.at(size, depth)), float(accepted), max(EMA / 2, 1 / (n + 3)))
-            self.seen[cell] = n + 1
+            cell = (size, depth.bit_length())
+            n, start = self.seen.get(cell, 0), self.cells.get(cell, self.at(size, depth))
+            self.cells[cell], self.seen[cell] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3))), n + 1
 
 
 @dataclass(frozen=True)

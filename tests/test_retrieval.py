@@ -74,6 +74,19 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
         RetrievalCache.load(tmp_path / "missing.json")
 
 
+def test_a_cache_saved_in_the_first_format_loads_its_sequences_without_its_estimates(tmp_path):
+    """Format /1 kept one estimate per match size; /2 keeps them per size and depth. A /1 file loads
+    its sequences and starts its estimates afresh (at the prior)."""
+    import json
+
+    (tmp_path / "v1.json").write_text(json.dumps({
+        "format": "hf_specdec.RetrievalCache/1", "settings": dict(max_tokens=100, context=0),
+        "sequences": [[4, 5, 6, 7]], "acceptance": {"pooled": 0.3, "per_size": {"2": 0.1}, "seen": {"2": 9}}}))
+    loaded = RetrievalCache.load(tmp_path / "v1.json")
+    assert loaded.lookup([4, 5], max_tokens=2) == ([[6, 7]], 2)
+    assert loaded.acceptance.cells == {} and loaded.acceptance.at(2) == 0.3  # the pooled estimate is kept
+
+
 @pytest.mark.parametrize("kwargs, name", [(dict(max_tokens=0), "max_tokens"), (dict(context=-1), "context"),
                                           (dict(index_ngram=True), "index_ngram"), (dict(max_match=1.5), "max_match")])
 def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):

@@ -148,22 +148,23 @@ class RaggedBatch:
         return self._compactable
 
     def compact(self, caches: tuple[Cache | None, ...]) -> None:
-        """Drop holes and padding from the columns every cache holds: each row's real columns, in
-        order, gathered to the right (shorter rows left-padded); columns past the shortest cache (the
-        target runs ahead of the draft after plain or n-gram rounds) are kept as they are."""
+        """Drop holes and padding from the cached columns: each row's real columns, in order, gathered
+        to the right (shorter rows left-padded), segment by segment: up to the shortest cache's length
+        in every cache, then up to the next in the caches that hold it (the target runs ahead of a
+        draft that sat out lookup and plain rounds: its holes go too). Uncached columns stay."""
         self._prefixes = None
         # An empty cache (a draft that has not run yet) holds the empty prefix of any work sequence.
-        held = [c.get_seq_length() for c in caches if c is not None and c.get_seq_length() > 0]
-        if not held:
-            return
-        cached = min(held)
-        head = self.mask[:, :cached]  # [active, cached]
-        width = int(head.sum(dim=1).max())
-        # Stable sort puts each row's masked columns first and its real columns, in order, last.
-        order = torch.sort(head, dim=1, stable=True).indices[:, -width:]  # [active, width]
-        gather_columns(caches, order, cached)
-        self.ids = torch.cat([self.ids[:, :cached].gather(1, order), self.ids[:, cached:]], dim=1)
-        self.mask = torch.cat([head.gather(1, order), self.mask[:, cached:]], dim=1)
+        live = [c for c in caches if c is not None and c.get_seq_length() > 0]
+        start, shift = 0, 0  # the segment's first column: in the sequence as it was, and as compacted so far
+        for end in sorted({c.get_seq_length() for c in live}):
+            a, b = shift, shift + end - start  # the segment's columns now
+            head = self.mask[:, a:b]
+            width = int(head.sum(dim=1).max())
+            order = torch.sort(head, dim=1, stable=True).indices[:, b - a - width :]  # each row's real columns, last
+            gather_columns([c for c in live if c.get_seq_length() >= b], order, b, a)
+            self.ids = torch.cat([self.ids[:, :a], self.ids[:, a:b].gather(1, order), self.ids[:, b:]], dim=1)
+            self.mask = torch.cat([self.mask[:, :a], head.gather(1, order), self.mask[:, b:]], dim=1)
+            start, shift = end, a + width
         self.ids_are_real = False
 
     # ------------------------------------------------------------ continuous batching

@@ -72,10 +72,11 @@ def can_gather(caches: Iterable[Cache | None]) -> bool:
 
 def gather_columns(
     caches: Iterable[Cache | None],
-    order: torch.Tensor,  # [rows, width]: for each row, the cached column indices to keep, in order
-    cached: int,  # the columns every cache holds; columns past it (held by some cache only) are kept as they are
+    order: torch.Tensor,  # [rows, width]: for each row, the column indices (from `start`) to keep, in order
+    cached: int,  # the end of the columns rearranged, which every cache given holds; later ones are kept as they are
+    start: int = 0,  # columns before it are kept as they are
 ) -> None:
-    """Replace the first `cached` columns of every layer by the columns `order` picks, per row.
+    """Replace columns `start`..`cached` of every layer by the columns `order` picks, per row.
     Requires `can_gather(caches)`."""
     for cache in caches:
         if cache is None:
@@ -84,8 +85,9 @@ def gather_columns(
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
             index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            layer.keys = torch.cat([layer.keys[:, :, :cached].gather(2, index), layer.keys[:, :, cached:]], dim=2)
-            layer.values = torch.cat([layer.values[:, :, :cached].gather(2, index), layer.values[:, :, cached:]], dim=2)
+            for name in ("keys", "values"):
+                t = getattr(layer, name)
+                setattr(layer, name, torch.cat([t[:, :, :start], t[:, :, start:cached].gather(2, index), t[:, :, cached:]], dim=2))
 
 
 def hide_prefix(cache: Cache, columns: int) -> None:

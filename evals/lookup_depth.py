@@ -5,9 +5,9 @@ acceptance per match size *and* depth (`hf_specdec.planner.MatchAcceptance`).
 
 On the recorded plain outputs of a standard-preset run (greedy and sampled; a sampled token equals a
 proposed x with probability p(x), the chance that verification would accept x), at every output
-position: in-row lookup as hf_specdec does it (the longest suffix of 3, 2, then 1 tokens that occurred
-before, its most recent occurrence, the 24 tokens that followed it), walked against the tokens that
-really came next. Per match size and depth bucket (0, 1, 2-3, 4-7, 8-15, 16+): P(the token at that
+position: in-row lookup as hf_specdec does it (`ngram_match` with `NgramDrafter`'s defaults, over the
+text before that position, up to 24 tokens), walked against the tokens that really came next. Per
+match size (its bucket) and depth bucket (0, 1, 2-3, 4-7, 8-15, 16+): P(the token at that
 depth matches | every token before it in the continuation matched), and how many were reached. No
 model runs (only the tokenizer, to rebuild the prompts).
 """
@@ -26,19 +26,12 @@ sys.path.insert(0, str(HERE))
 from common import load_prompts  # noqa: E402
 from regimes import STANDARD, read_records  # noqa: E402
 
+from hf_specdec.proposals.ngram import NgramDrafter, ngram_match  # noqa: E402
+
+LOOKUP = NgramDrafter()  # in-row lookup with the defaults: n-grams of 3 down to 1, matches measured up to its cap
+
 DEPTH = 24
 BUCKETS = (0, 1, 2, 4, 8, 16)  # a depth's bucket: the largest of these at most the depth (depth.bit_length())
-
-
-def continuation(sequence: list[int], t: int, max_size: int = 3) -> tuple[list[int], int]:
-    """(what followed the most recent earlier occurrence of the longest matching suffix of
-    sequence[:t], its size); ([], 0) when nothing matches."""
-    for size in range(min(max_size, t), 0, -1):
-        key = sequence[t - size : t]
-        for start in range(t - size - 1, -1, -1):
-            if sequence[start : start + size] == key:
-                return sequence[start + size : start + size + DEPTH], size
-    return [], 0
 
 
 def depth_rates(outputs: list[tuple[list[int], list[int]]]) -> dict[tuple[int, int], tuple[int, int]]:
@@ -47,7 +40,7 @@ def depth_rates(outputs: list[tuple[list[int], list[int]]]) -> dict[tuple[int, i
     for prompt, output in outputs:
         sequence = prompt + output
         for t in range(len(prompt), len(sequence)):
-            tokens, size = continuation(sequence, t)
+            tokens, size = ngram_match(sequence[:t], LOOKUP.max_ngram, LOOKUP.min_ngram, DEPTH, LOOKUP.match_cap)
             for depth, token in enumerate(tokens[: len(sequence) - t]):
                 cell = (size, BUCKETS[min(depth.bit_length(), len(BUCKETS) - 1)])
                 reached[cell] += 1
@@ -81,7 +74,7 @@ def main(argv=None) -> str:
         lines += [f"## {mode} ({len(outputs)} plain outputs)", "",
                   "| match size | " + " | ".join(f"depth {b}{'+' if b == 16 else '-' + str(2 * b - 1) if b > 1 else ''}"
                                                 for b in BUCKETS) + " |", "|---|" + "---|" * len(BUCKETS)]
-        for size in (1, 2, 3):
+        for size in sorted({size for size, _ in rates}):
             cells = [rates.get((size, b)) for b in BUCKETS]
             lines.append(f"| {size} | " + " | ".join("-" if c is None else f"{c[0] / c[1]:.2f} ({c[1]})" for c in cells) + " |")
         lines.append("")

@@ -92,7 +92,7 @@ def continuous_call(target, draft, prompts: list[dict], workload, n: int, max_ne
     seconds = time.perf_counter() - start
     eos = eos_ids(target)
     owners = [p["id"] for p in prompts for _ in range(n)]
-    return [(owners[r.index], row_tokens(torch.tensor([r.tokens.tolist()]), eos)[0]) for r in results], seconds
+    return [(owners[r.index], row_tokens(r.tokens[None], eos)[0]) for r in results], seconds
 
 
 def record_of(workload, method: str, prompt_id, rep: int, tokens: list[list[int]], seconds: float, tokenizer,

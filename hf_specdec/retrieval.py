@@ -339,12 +339,11 @@ class Retrieval:
         self.min_ngram = ngram.min_ngram
         self._known: dict[int, int] = {}  # row -> its tokens the cache holds (prompt tail + generated)
         self._key = object()  # this call's rows, apart from other calls' in a shared cache
-        self.passed_over: dict[int, tuple[list[int], int, str]] = {}  # this round's source not proposed, per row
+        # per active row, the source this round's lookup did not propose (scored, then cleared, by `rounds.observe`)
+        self.passed_over: dict[int, tuple[list[int], int, str]] = {}
 
     def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
-        """Bring the cache's copy of each active row up to date; rows no longer active are closed. (Each
-        round starts here: what the last round passed over was scored.)"""
-        self.passed_over = {}
+        """Bring the cache's copy of each active row up to date; rows no longer active are closed."""
         if self.cache is None:
             return
         for row in [r for r in self._known if r not in rows]:
@@ -358,15 +357,15 @@ class Retrieval:
                 self.cache.extend((self._key, row), new)
                 self._known[row] += len(new)
 
-    def close(self, generated: list[list[int]] | None = None) -> None:
+    def close(self, generated: list[list[int]]) -> None:
         """The call ends: its rows, with their last round's tokens (`generated`, per row), join the
         cache's finished sequences."""
         for row in list(self._known):
             self._close(row, generated)
 
-    def _close(self, row: int, generated: list[list[int]] | None) -> None:
+    def _close(self, row: int, generated: list[list[int]]) -> None:
         known = self._known.pop(row)
-        if generated is not None and generated[row][known:]:
+        if generated[row][known:]:
             self.cache.extend((self._key, row), generated[row][known:])
         self.cache.close((self._key, row))
 

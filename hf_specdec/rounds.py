@@ -19,6 +19,8 @@ reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -127,12 +129,16 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     return proposal, trace
 
 
+def _lookup_curve(state: DecodeState, size: int, source: str, length: int) -> list[float]:
+    """The source's acceptance after a match of `size` at depths 0..length - 1 (one estimate a depth bucket)."""
+    at = state.planner.acceptance.lookup_at
+    buckets = [at(size, source, (1 << b) >> 1) for b in range(max(0, length - 1).bit_length() + 1)]  # b from depth 2^(b-1)
+    return [buckets[d.bit_length()] for d in range(length)]
+
+
 def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str) -> list[float]:
     """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size."""
-    at, out = state.planner.acceptance.lookup_at, []
-    for depth in range(len(tokens)):
-        out.append(at(size, source, depth) * (out[-1] if out else 1.0))
-    return out
+    return list(itertools.accumulate(_lookup_curve(state, size, source, len(tokens)), operator.mul))
 
 
 def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
@@ -222,8 +228,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    depths = max(map(len, continuations), default=1)
-    acceptance = [planner.acceptance.lookup_at(size, source, d) for d in range(depths)]  # per depth
+    acceptance = _lookup_curve(state, size, source, max(map(len, continuations), default=1))  # per depth
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
@@ -412,8 +417,10 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
                                                   *_match(trace, r))
-    for r, (continuation, size, source) in (state.lookup.passed_over.items() if state.lookup else ()):
-        state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
+    if state.lookup is not None:  # the source each row passed over, scored once
+        passed, state.lookup.passed_over = state.lookup.passed_over, {}
+        for r, (continuation, size, source) in passed.items():
+            state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
 
 
 def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:

@@ -204,5 +204,6 @@ def test_the_source_passed_over_is_scored_against_the_emitted_tokens():
     before = acceptance.matches(NGRAM).seen.get((2, 0), 0)
     acceptance.score_unverified(*retrieval.passed_over[0][:1], [3, 9], *retrieval.passed_over[0][1:])
     assert acceptance.matches(NGRAM).seen[2, 0] == before + 1 and acceptance.matches(NGRAM).seen[2, 1] == 1
-    retrieval.sync([host[0][:2]], [host[0][2:]], [0])  # the next round starts: nothing passed over yet
+    # a lookup where only in-row lookup matches passes nothing over
+    assert retrieval.match_rows(DraftRequest(torch.tensor([[4, 4]]), None, None, 3, host=[[4, 4]]), [0])[0][2] == NGRAM
     assert retrieval.passed_over == {}

@@ -1,5 +1,6 @@
-"""How a retrieved continuation's acceptance depends on its depth: the evidence for keeping retrieval's
-acceptance per match size *and* depth (`hf_specdec.planner.MatchAcceptance`).
+"""How a retrieved continuation's acceptance depends on its depth (the evidence behind a per-depth
+retrieval acceptance, tried and removed: it gained the planner nothing beyond noise, see
+evals/results/planner/third/).
 
     python evals/lookup_depth.py --out evals/results/lookup-depth
 

@@ -169,9 +169,9 @@ class Acceptance:
         b = min(max(int(confidence * BINS), 0), BINS - 1)
         return self.hits[b] / self.tries[b]
 
-    def lookup_at(self, size: int | None, source: str = NGRAM, depth: int = 0) -> float:
-        """The acceptance of a token `source` retrieved after a match of `size` tokens, at `depth` (0: first)."""
-        return self.matches(source).at(size, depth)
+    def lookup_at(self, size: int | None, source: str = NGRAM) -> float:
+        """The acceptance of a token `source` retrieved after a match of `size` tokens."""
+        return self.matches(source).at(size)
 
     def matches(self, source: str = NGRAM) -> "MatchAcceptance":
         return self.retrieval.setdefault(source, MatchAcceptance())  # at the prior when first asked
@@ -192,41 +192,41 @@ class Acceptance:
                 self.hits[b] += float(i < accepted)
                 self.tries[b] += 1
 
-    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM, depth: int = 0) -> None:
-        """One token `source` retrieved at `depth`, reached by verification (or scored against the emitted tokens)."""
-        self.matches(source).observe(size, accepted, depth)
+    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM) -> None:
+        """One token `source` retrieved, reached by verification (or scored against the emitted tokens)."""
+        self.matches(source).observe(size, accepted)
 
     def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None,
                          source: str = NGRAM) -> None:
         """A continuation the round did not verify, against the tokens it emitted (unbiased: see the module)."""
-        for depth, (mine, actual) in enumerate(zip(proposed, emitted)):
-            self.observe_lookup(size, mine == actual, source, depth)
+        for mine, actual in zip(proposed, emitted):
+            self.observe_lookup(size, mine == actual, source)
             if mine != actual:
                 break
 
 
 class MatchAcceptance:
-    """A retrieval source's acceptance of a retrieved token per (match size, depth bucket 0, 1, 2-3,
-    4-7, ...): along a copy, P(token i accepted | those before were) rises (0.19 -> 0.96 after 1-token
-    matches in the standard preset's outputs, evals/lookup_depth.py); and pooled over all."""
+    """One retrieval source's acceptance: per size of the match a continuation follows, and pooled."""
 
     def __init__(self) -> None:
-        self.pooled, self.cells, self.seen = PRIOR_LOOKUP, {}, {}  # cells, seen: (size, bucket) -> estimate, count
+        self.pooled = PRIOR_LOOKUP  # retrieved tokens, all match sizes
+        self.per_size: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
 
-    def at(self, size: int | None, depth: int = 0) -> float:
-        """That cell's, else its size's deepest seen shallower one's (no likelier), else a shorter one's (at least pooled)."""
-        cell = (size or 0, depth.bit_length())
-        known = [c for c in self.cells if size and c[0] <= cell[0] and c[1] <= cell[1]]
-        if not known:
-            return self.pooled
-        return self.cells[b] if (b := max(known))[0] == cell[0] else max(self.pooled, self.cells[b])
+    def at(self, size: int | None) -> float:
+        """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
+        if size in self.per_size:
+            return self.per_size[size]
+        shorter = [s for s in self.per_size if size and s < size]
+        return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
 
-    def observe(self, size: int | None, accepted: bool, depth: int = 0) -> None:
+    def observe(self, size: int | None, accepted: bool) -> None:
         self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
         if size:
-            cell = (size, depth.bit_length())
-            n, start = self.seen.get(cell, 0), self.cells.get(cell, self.at(size, depth))
-            self.cells[cell], self.seen[cell] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3))), n + 1
+            n = self.seen.get(size, 0)
+            start = self.per_size.get(size, self.at(size))
+            self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
+            self.seen[size] = n + 1
 
 
 @dataclass(frozen=True)

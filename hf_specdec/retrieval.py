@@ -42,7 +42,7 @@ from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
 
 SEPARATOR = -1  # between sequences in the store: no match or continuation crosses it
-FORMAT = "hf_specdec.RetrievalCache/2"  # "/1" (estimates per match size only) loads without them
+FORMAT = "hf_specdec.RetrievalCache/1"
 
 
 def _measure(tokens: list[int], end: int, query: list[int], n: int, cap: int) -> int:
@@ -250,8 +250,7 @@ class RetrievalCache:
                 start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
-            learned = dict(pooled=self.acceptance.pooled, cells=[[*cell, value, self.acceptance.seen.get(cell, 0)]
-                                                                 for cell, value in self.acceptance.cells.items()])
+            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 
@@ -262,14 +261,13 @@ class RetrievalCache:
             data = json.loads(Path(path).read_text())
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
-        if not isinstance(data, dict) or data.get("format") not in (FORMAT, "hf_specdec.RetrievalCache/1"):
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
         cache = cls(**data["settings"])
         learned = data.get("acceptance") or {}
         cache.acceptance.pooled = float(learned.get("pooled", cache.acceptance.pooled))
-        for size, bucket, value, seen in learned.get("cells", []):  # (match size, depth bucket): estimate, count
-            cache.acceptance.cells[int(size), int(bucket)] = float(value)
-            cache.acceptance.seen[int(size), int(bucket)] = int(seen)
+        cache.acceptance.per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
+        cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
         with cache._lock:
             for tokens in data["sequences"]:
                 cache._add([int(t) for t in tokens])

@@ -19,8 +19,6 @@ reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -129,16 +127,12 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     return proposal, trace
 
 
-def _lookup_curve(state: DecodeState, size: int, source: str, length: int) -> list[float]:
-    """The source's acceptance after a match of `size` at depths 0..length - 1 (one estimate a depth bucket)."""
-    at = state.planner.acceptance.lookup_at
-    buckets = [at(size, source, (1 << b) >> 1) for b in range(max(0, length - 1).bit_length() + 1)]  # b from depth 2^(b-1)
-    return [buckets[d.bit_length()] for d in range(length)]
-
-
 def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str) -> list[float]:
     """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size."""
-    return list(itertools.accumulate(_lookup_curve(state, size, source, len(tokens)), operator.mul))
+    a, out = state.planner.acceptance.lookup_at(size, source), []
+    for _ in tokens:
+        out.append(a * (out[-1] if out else 1.0))
+    return out
 
 
 def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace: Trace) -> Proposal:
@@ -228,7 +222,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    acceptance = _lookup_curve(state, size, source, max(map(len, continuations), default=1))  # per depth
+    acceptance = planner.acceptance.lookup_at(size, source)
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
@@ -431,7 +425,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         if source == NGRAM:
             size, origin = _match(trace, i)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(size, j < accepted[i], origin, depth=j)
+                planner.acceptance.observe_lookup(size, j < accepted[i], origin)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -453,8 +447,8 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     else:
         planner.observe_without_draft()
     size, source = _match(trace, 0)
-    for depth, hit in tree.retrieval_events(path):
-        planner.acceptance.observe_lookup(size, hit, source, depth=depth - 1)
+    for _, hit in tree.retrieval_events(path):
+        planner.acceptance.observe_lookup(size, hit, source)
 
 
 def _match(trace: Trace, i: int) -> tuple[int | None, str]:

@@ -447,7 +447,7 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     else:
         planner.observe_without_draft()
     size, source = _match(trace, 0)
-    for _, hit in tree.retrieval_events(path):
+    for hit in tree.retrieval_events(path):
         planner.acceptance.observe_lookup(size, hit, source)
 
 

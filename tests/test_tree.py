@@ -97,10 +97,6 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert reach[4] == pytest.approx(reach[3] * 0.5)
     assert reach[5] == pytest.approx(0.8 * 0.5 * 1 / 2 * (1 - 0.5))  # continuation under the draft node 0
     assert reach[2] == pytest.approx(0.4 * 0.5 * 1.0)
-    # one acceptance per depth (the last for any deeper): the retrieved node at depth 2 under node 3
-    by_depth = retrieval_reach(trie, acceptance=[0.5, 0.9], draft_acceptance={0: 0.8, 1: 0.5})
-    assert by_depth[3] == pytest.approx(reach[3]) and by_depth[4] == pytest.approx(by_depth[3] * 0.9)
-    assert by_depth[2] == pytest.approx(0.4 * 0.9 * 1.0) and by_depth[5] == pytest.approx(0.8 * 0.9 * 1 / 2 * (1 - 0.5))
 
 
 def test_the_planner_keeps_tree_nodes_while_they_pay():
@@ -118,8 +114,8 @@ def test_tree_shape_helpers():
     tree = Tree(parents=[-1, 0, 1, -1, 3, 0], chain=2, retrieved=[True, False, False, True, True, True])
     assert tree.chain_accepted([0, 1]) == 2 and tree.chain_accepted([0, 5]) == 1 and tree.chain_accepted([3, 4]) == 0
     # root: retrieved children 0, 3 -> went on through 0 (retrieved); node 0: children 1 (not), 5 (retrieved) -> 1
-    assert tree.retrieval_events([0, 1]) == [(1, True), (2, False)]
-    assert tree.retrieval_events([]) == [(1, False)]
+    assert tree.retrieval_events([0, 1]) == [True, False]
+    assert tree.retrieval_events([]) == [False]
     # the draft's first forward proposed node 0 (its token) and the runner-up node 3 beside it (not retrieved)
     tree = Tree(parents=[-1, 0, -1, -1], chain=2, retrieved=[False, False, True, False])
     assert tree.from_draft(0) and tree.from_draft(1) and tree.from_draft(3) and not tree.from_draft(2)

@@ -151,26 +151,21 @@ def longest_matches(host: list[int], starts: list[int], n: int, max_ngram: int, 
 
 def retrieval_reach(
     trie: Trie,
-    acceptance: float | Sequence[float],
+    acceptance: float,
     draft_acceptance: dict[int, float] | None = None,
     sibling_acceptance: dict[int, float] | None = None,
 ) -> list[float]:
     """For every node, an estimate of P(verification accepts it): a retrieved node is accepted with
-    the running acceptance of retrievals `acceptance` (one value, or one per depth: `acceptance[i]`
-    for nodes at depth i + 1, the last value for any deeper) times the share of continuations that
+    the running acceptance of retrievals `acceptance` times the share of continuations that
     took it there (count(node) / count(parent)). When its parent's first child is a draft-model node
     that the target accepts with probability a (`draft_acceptance`), a retrieved sibling is only
     reached when the draft node is not accepted: its estimate is scaled by (1 - a). Draft nodes get
     the product of `draft_acceptance` down their chain, a SIBLING node its parent's estimate times
     `sibling_acceptance` (P(accepted | parent reached))."""
     draft_acceptance, sibling_acceptance = draft_acceptance or {}, sibling_acceptance or {}
-    curve = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance)
     reach: list[float] = []
-    depth: list[int] = []  # 0: a child of the root
     for j, parent in enumerate(trie.parents):
         above = 1.0 if parent < 0 else reach[parent]
-        depth.append(0 if parent < 0 else depth[parent] + 1)
-        acceptance = curve[min(depth[j], len(curve) - 1)]
         if trie.origins[j] == DRAFT:
             reach.append(above * draft_acceptance.get(j, acceptance))
             continue

@@ -64,6 +64,7 @@ class Verdict:
     seconds: float  # wall time of the stage
     path: list[int] | None = None  # trees: the accepted nodes, root first
     columns: int = 0  # columns the target's forward took in (the whole prompt in the first round)
+    acceptance: list[list[float]] | None = None  # sampling chains: per row, `_acceptance` (host copy)
 
     @property
     def accepted(self) -> list[int]:
@@ -285,11 +286,25 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
         scores.append(state.processors.positions(prefixes, drafts, logits))  # [rows, k + 1, vocab]
         num_accepted, emitted = greedy_verification(drafts, scores[0], lengths=lengths)
         target_probs = None
-    host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the verdict's one device read
-    tokens = [row[1 : row[0] + 2] for row in host]
+    read = [num_accepted[:, None], emitted]
+    if target_probs is not None:  # P(accept) at each position p was computed for, in the same copy
+        read = [t.double() for t in read] + [_acceptance(proposal, target_probs).double()]
+    host = torch.cat(read, dim=1).tolist()  # the verdict's one device read
+    tokens = [[int(t) for t in row[1 : int(row[0]) + 2]] for row in host]
+    acceptance = None if target_probs is None else [row[k + 2 :] for row in host]
     target_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)  # [rows, n, vocab]
     return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start,
-                   columns=columns)
+                   columns=columns, acceptance=acceptance)
+
+
+def _acceptance(proposal: Proposal, target_probs: torch.Tensor) -> torch.Tensor:
+    """[rows, n]: P(the rule accepts the proposed token) = sum_t min(p(t), q(t)) = 1 - TV(p, q) at each
+    position p was computed for (p(x) for a point mass), given the tokens before it were accepted."""
+    q = proposal.draft_probs
+    n = min(target_probs.shape[1], proposal.tokens.shape[1], proposal.tokens.shape[1] if q is None else q.shape[1])
+    if q is None:
+        return target_probs[:, :n].gather(-1, proposal.tokens[:, :n, None])[..., 0]
+    return torch.minimum(target_probs[:, :n], q[:, :n]).sum(-1)
 
 
 def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -407,7 +422,7 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     if proposal.tree is not None:
         _observe_tree(state, proposal, trace, verdict)
     else:
-        _observe_chains(state, proposal, trace, accepted)
+        _observe_chains(state, proposal, trace, accepted, verdict.acceptance)
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
                                                   *_match(trace, r))
@@ -417,15 +432,18 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
             state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
 
 
-def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:
-    """The planner learns from each row's chain: the draft model's rows, and the lookups."""
+def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int],
+                    acceptance: list[list[float]] | None) -> None:
+    """The planner learns from each row's chain: the draft model's rows, and the lookups. Sampling
+    (`acceptance`): from P(accept) at each position reached rather than the accept/reject it drew,
+    the same mean with less noise (`Acceptance.observe_draft`)."""
     planner, drafted = state.planner, []
     for i in range(len(accepted)):
         source, length = proposal.source_of(i), proposal.length(i)
         if source == NGRAM:
             size, origin = _match(trace, i)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(size, j < accepted[i], origin)
+                planner.acceptance.observe_lookup(size, acceptance[i][j] if acceptance else j < accepted[i], origin)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -433,7 +451,8 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         return
     confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in drafted]
     planner.observe_draft([proposal.length(i) for i in drafted], [accepted[i] for i in drafted],
-                          [accepted[i] > 0 for i in drafted], confidences, probe=bool(trace.plan and trace.plan.probe))
+                          [accepted[i] > 0 for i in drafted], confidences, probe=bool(trace.plan and trace.plan.probe),
+                          soft=None if acceptance is None else [acceptance[i] for i in drafted])
 
 
 def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdict) -> None:
@@ -509,12 +528,7 @@ def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | 
 
 
 def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[float] | None:
-    """P(accept) = sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling
-    only; p(x) for a point mass), at the positions whose p was computed."""
-    if verdict.target_probs is None or proposal.tree is not None:
+    """P(accept) per draft position of active row i (sampling chains only), where p was computed."""
+    if verdict.acceptance is None:
         return None
-    n = min(proposal.length(i), verdict.target_probs.shape[1])
-    target_probs = verdict.target_probs[i, :n]  # [n, vocab]
-    if proposal.draft_probs is None:
-        return target_probs.gather(-1, proposal.tokens[i, :n, None])[:, 0].tolist()
-    return torch.minimum(target_probs, proposal.draft_probs[i, :n]).sum(-1).tolist()
+    return verdict.acceptance[i][: proposal.length(i)]

@@ -23,7 +23,7 @@ get from the pair, the cost table and the retrieval sources, by decoding with pe
    every position among a plain step, a draft chain of k tokens (k = 1..16, accepted run as the a_t
    say), the retrieved run verified exactly (the oracle verifies r_t tokens, no more), or both in one
    tree (the longer accepted branch wins; "chains only": never both, as hf_specdec's sampling rounds
-   are today). Prices from the cost table as `evals/replay.py` pins them (a target forward over w
+   are today; "chains extended": a draft chain may be followed by the run retrieved after it). Prices from the cost table as `evals/replay.py` pins them (a target forward over w
    tokens, a draft step); prefills and the draft catching up are free.
 
 The bound is the sample's tokens over that cost, against one target step a token for plain. It is an
@@ -129,29 +129,39 @@ def _runs_in(sequences: list[list[int]]) -> dict[tuple[int, ...], int]:
     return out
 
 
-def least_cost(accept: list[float], retrieved: list[int] | None, price, draft_step: float, tree: bool = True) -> float:
-    """The least expected cost of decoding the whole sample (module docstring, step 4); `tree` False:
-    a round verifies the draft's chain or the retrieved run, never both."""
+def least_cost(accept: list[float], retrieved: list[int] | None, price, draft_step: float,
+               kinds: tuple[str, ...] = ("tree",)) -> float:
+    """The least expected cost of decoding the whole sample (module docstring, step 4). Rounds besides
+    a plain step, a draft chain and a retrieved run (`kinds`): "tree", the draft's chain and the run
+    beside it; "extend", the draft's chain followed by the run retrieved after it (taken if the chain
+    is, a chain of mixed sources). Neither: a round verifies a draft chain or a run, never both."""
     n = len(accept)
     cost = [0.0] * (n + 1)
     for t in range(n - 1, -1, -1):
         best = price(1) + cost[t + 1]
         r = min(retrieved[t], n - t - 1) if retrieved else 0
         for k in range(1, min(MAX_K, n - t - 1) + 1):
-            reach, expected_draft, expected_both = 1.0, 0.0, 0.0  # P(first i accepted); E[cost after]
+            after = min(retrieved[t + k], n - t - k - 1) if retrieved and "extend" in kinds else 0
+            reach, chain, tree, extended = 1.0, 0.0, 0.0, 0.0  # P(first i accepted); E[cost after the round]
             for i in range(k + 1):  # i draft tokens accepted, then a rejection (or all k taken)
                 stop = reach * (1 - accept[t + i]) if i < k else reach
-                expected_draft += stop * cost[t + i + 1]
-                expected_both += stop * cost[t + max(i, r) + 1]
+                chain += stop * cost[t + i + 1]
+                tree += stop * cost[t + max(i, r) + 1]
+                extended += stop * cost[t + i + 1 + (after if i == k else 0)]
                 if i < k:
                     reach *= accept[t + i]
-            best = min(best, k * draft_step + price(k + 1) + expected_draft)
-            if r and tree:
-                best = min(best, k * draft_step + price(k + r + 1) + expected_both)
+            best = min(best, k * draft_step + price(k + 1) + chain)
+            if r and "tree" in kinds:
+                best = min(best, k * draft_step + price(k + r + 1) + tree)
+            if after:
+                best = min(best, k * draft_step + price(k + after + 1) + extended)
         if r:
             best = min(best, price(r + 1) + cost[t + r + 1])
         cost[t] = best
     return cost[0]
+
+
+KINDS = {"cache": ("tree",), "cache, chains": (), "cache, extend": ("extend",)}  # the cache's columns
 
 
 def bound_rows(target, draft, prompts: list[dict], workload, tables: dict, n: int, max_new_tokens: int, seed: int,
@@ -173,8 +183,9 @@ def bound_rows(target, draft, prompts: list[dict], workload, tables: dict, n: in
                 row["bound"][label] = {
                     source: len(tokens) / least_cost(accept, retrieved.get(source), costs.verify_price, costs.draft_step)
                     for source in ("draft",) + SOURCES}
-                row["bound"][label]["cache, chains"] = len(tokens) / least_cost(
-                    accept, retrieved["cache"], costs.verify_price, costs.draft_step, tree=False)
+                for column, kinds in list(KINDS.items())[1:]:
+                    row["bound"][label][column] = len(tokens) / least_cost(
+                        accept, retrieved["cache"], costs.verify_price, costs.draft_step, kinds)
             row.update(accept=[round(a, 4) for a in accept], runs=retrieved)
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("accept", "runs")}), flush=True)
@@ -185,12 +196,12 @@ def bound_rows(target, draft, prompts: list[dict], workload, tables: dict, n: in
 
 def report(rows: list[dict], labels: list[str]) -> str:
     lines = ["| workload | table | draft only | + in-row lookup | + cache (library) | + anything retrievable "
-             "| cache, chains only |", "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| cache, chains only | cache, chains extended |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name in dict.fromkeys(r["workload"] for r in rows):
         mine = [r for r in rows if r["workload"] == name]
         for label in labels:
-            cells = [geometric_mean(r["bound"][label][s] for r in mine) for s in ("draft",) + SOURCES + ("cache, chains",)]
-            lines.append(f"| {name} | {label} | " + " | ".join(f"{c:.2f}x" for c in cells) + " |")
+            cells = [geometric_mean(r["bound"][label].get(s) for r in mine) for s in ("draft",) + SOURCES + tuple(KINDS)[1:]]
+            lines.append(f"| {name} | {label} | " + " | ".join("-" if c is None else f"{c:.2f}x" for c in cells) + " |")
     lines += ["", "Geometric means over samples of the bound's speedup over plain sampling. Tokens a retrieval",
               "source covers (r_t > 0), and the draft's mean a_t:", ""]
     for name in dict.fromkeys(r["workload"] for r in rows):

@@ -287,8 +287,8 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
         num_accepted, emitted = greedy_verification(drafts, scores[0], lengths=lengths)
         target_probs = None
     read = [num_accepted[:, None], emitted]
-    if target_probs is not None:  # P(accept) at each position p was computed for, in the same copy
-        read = [t.double() for t in read] + [_acceptance(proposal, target_probs).double()]
+    if target_probs is not None:  # P(accept) at each position p was computed for, in the same copy (float32
+        read = [t.float() for t in read] + [_acceptance(proposal, target_probs).float()]  # holds ids < 2^24 exactly)
     host = torch.cat(read, dim=1).tolist()  # the verdict's one device read
     tokens = [[int(t) for t in row[1 : int(row[0]) + 2]] for row in host]
     acceptance = None if target_probs is None else [row[k + 2 :] for row in host]

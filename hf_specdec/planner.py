@@ -8,8 +8,8 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
 * `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
   were), and its confidence calibrated against what the target accepted; per retrieval source
-  (`MatchAcceptance`), per match size, from lookups verified (in sampling as P(accept) = sum min(p, q),
-  `soft`: the coin's mean without its noise) and those scored against the output.
+  (`MatchAcceptance`), per match size, from lookups verified (in sampling as P(accept | x) = min(1, p/q)
+  of the token x proposed, `soft`: the coin's mean without its noise) and those scored against the output.
 * `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted))
   are taken best first and the prefix with the most expected tokens per unit of cost is kept
   (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The

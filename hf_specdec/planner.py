@@ -8,8 +8,7 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
 * `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
   were), and its confidence calibrated against what the target accepted; per retrieval source
-  (`MatchAcceptance`), per match size, from lookups verified (in sampling as P(accept | x) = min(1, p/q)
-  of the token x proposed, `soft`: the coin's mean without its noise) and those scored against the output.
+  (`MatchAcceptance`), per match size, from lookups verified and those scored against the output.
 * `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted))
   are taken best first and the prefix with the most expected tokens per unit of cost is kept
   (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
@@ -153,7 +152,8 @@ class Acceptance:
         self.retrieval: dict[str, MatchAcceptance] = {}  # per retrieval source (in-row lookup, the cache)
 
     def draft_at(self, i: int) -> float:
-        """P(draft token i + 1 accepted | the ones before accepted): its depth's, else the pooled estimate."""
+        """P(draft token i + 1 accepted | the ones before it were): its depth's estimate, or the pooled
+        one where that depth was never reached (not stuck at the prior where the draft stops short)."""
         return self.draft[i] if self.draft_seen[i] or i == 0 else self.pooled
 
     def draft_reach(self, k: int) -> list[float]:
@@ -177,11 +177,11 @@ class Acceptance:
         return self.retrieval.setdefault(source, MatchAcceptance())  # at the prior when first asked
 
     def observe_draft(self, drafted: int, accepted: int, first_hit: bool, confidences: Sequence[float] | None,
-                      weight: float, soft: Sequence[float] | None = None) -> None:
-        """One row's draft chain of `drafted` tokens, `accepted` of them accepted; `first_hit`: the draft's
-        first forward paid (its token, or in a tree the runner-up beside it, was taken). `soft`: see the module."""
+                      weight: float) -> None:
+        """One row's draft chain of `drafted` tokens, `accepted` of them accepted; `first_hit`: the
+        draft's first forward paid (its token, or in a tree the runner-up beside it, was taken)."""
         for i in range(min(accepted + 1, drafted)):
-            hit = soft[i] if soft is not None else float(first_hit if i == 0 else i < accepted)
+            hit = float(first_hit if i == 0 else i < accepted)
             if i:
                 self.pooled = _ema(self.pooled, hit, weight / 2)
             start = self.draft_at(i)
@@ -189,11 +189,12 @@ class Acceptance:
             self.draft_seen[i] += 1
             if confidences is not None:
                 b = min(max(int(confidences[i] * BINS), 0), BINS - 1)
-                self.hits[b] += hit if soft is not None else float(i < accepted)
+                self.hits[b] += float(i < accepted)
                 self.tries[b] += 1
 
-    def observe_lookup(self, size: int | None, accepted: float, source: str = NGRAM) -> None:
-        self.matches(source).observe(size, accepted)  # a retrieved token reached by verification, or scored
+    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM) -> None:
+        """One token `source` retrieved, reached by verification (or scored against the emitted tokens)."""
+        self.matches(source).observe(size, accepted)
 
     def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None,
                          source: str = NGRAM) -> None:
@@ -219,7 +220,7 @@ class MatchAcceptance:
         shorter = [s for s in self.per_size if size and s < size]
         return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
 
-    def observe(self, size: int | None, accepted: float) -> None:
+    def observe(self, size: int | None, accepted: bool) -> None:
         self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
         if size:
             n = self.seen.get(size, 0)
@@ -370,15 +371,14 @@ class Planner:
             return RoundPlan(max(1, k), [[] for _ in retrieved], draft_rate, probe=True)
         return RoundPlan(0, nodes, rate)
 
-    def observe_draft(self, drafted: list[int], accepted: list[int], first_hits: list[bool], confidences:
-                      list[Sequence[float]] | None, probe: bool = False, soft: list[Sequence[float]] | None = None) -> None:
+    def observe_draft(self, drafted: list[int], accepted: list[int], first_hits: list[bool],
+                      confidences: list[Sequence[float]] | None, probe: bool = False) -> None:
         """A round in which the draft model ran: per row that verified its chain, the tokens drafted and
         accepted, whether its first forward paid, and its confidences."""
         self.without_draft = 0
         weight = EMA / max(1, len(drafted))  # a batch moves the estimates as much as one row
         for r, (k, n, hit) in enumerate(zip(drafted, accepted, first_hits)):
-            self.acceptance.observe_draft(k, n, hit, None if confidences is None else confidences[r], weight,
-                                          None if soft is None else soft[r])
+            self.acceptance.observe_draft(k, n, hit, None if confidences is None else confidences[r], weight)
         if not self.adaptive:
             return
         pays = self.draft_length(self.max_draft)[1] > self.rows / self.curve.verify_price(1)

@@ -64,8 +64,6 @@ class Verdict:
     seconds: float  # wall time of the stage
     path: list[int] | None = None  # trees: the accepted nodes, root first
     columns: int = 0  # columns the target's forward took in (the whole prompt in the first round)
-    acceptance: list[list[float]] | None = None  # sampling chains: per row, `_acceptance`'s two (host copies)
-    expected_acceptance: list[list[float]] | None = None
 
     @property
     def accepted(self) -> list[int]:
@@ -287,32 +285,11 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
         scores.append(state.processors.positions(prefixes, drafts, logits))  # [rows, k + 1, vocab]
         num_accepted, emitted = greedy_verification(drafts, scores[0], lengths=lengths)
         target_probs = None
-    read = [num_accepted[:, None], emitted]
-    if target_probs is not None:  # P(accept) at each position p was computed for, in the same copy (float32
-        read = [t.float() for t in read] + [a.float() for a in _acceptance(proposal, target_probs)]  # holds ids < 2^24)
-    host = torch.cat(read, dim=1).tolist()  # the verdict's one device read
-    tokens = [[int(t) for t in row[1 : int(row[0]) + 2]] for row in host]
-    acceptance = expected = None
-    if target_probs is not None:
-        n = (len(host[0]) - k - 2) // 2
-        acceptance, expected = [row[k + 2 : k + 2 + n] for row in host], [row[k + 2 + n :] for row in host]
+    host = torch.cat([num_accepted[:, None], emitted], dim=1).tolist()  # the verdict's one device read
+    tokens = [row[1 : row[0] + 2] for row in host]
     target_scores = scores[0] if len(scores) == 1 else torch.cat(scores, dim=1)  # [rows, n, vocab]
     return Verdict(num_accepted, emitted, tokens, target_scores, logits, target_probs, seconds=state.clock.now() - start,
-                   columns=columns, acceptance=acceptance, expected_acceptance=expected)
-
-
-def _acceptance(proposal: Proposal, target_probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """([rows, n], [rows, n]) at each position p was computed for, given the tokens before it accepted:
-    P(the rule accepts the token proposed) = min(1, p(x) / q(x)), and before it was drawn,
-    sum_t min(p(t), q(t)) = 1 - TV(p, q); both p(x) for a point mass."""
-    q = proposal.draft_probs
-    n = min(target_probs.shape[1], proposal.tokens.shape[1], proposal.tokens.shape[1] if q is None else q.shape[1])
-    tokens, p = proposal.tokens[:, :n, None], target_probs[:, :n]
-    if q is None:
-        return (p.gather(-1, tokens)[..., 0],) * 2
-    q = q[:, :n]
-    given = (p.gather(-1, tokens) / q.gather(-1, tokens).clamp_min(1e-30)).clamp(max=1.0)[..., 0]
-    return given, torch.minimum(p, q).sum(-1)
+                   columns=columns)
 
 
 def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
@@ -430,7 +407,7 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     if proposal.tree is not None:
         _observe_tree(state, proposal, trace, verdict)
     else:
-        _observe_chains(state, proposal, trace, accepted, verdict.acceptance)
+        _observe_chains(state, proposal, trace, accepted)
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
                                                   *_match(trace, r))
@@ -440,18 +417,15 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
             state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
 
 
-def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int],
-                    acceptance: list[list[float]] | None) -> None:
-    """The planner learns from each row's chain: the draft model's rows, and the lookups. Sampling
-    (`acceptance`): from P(accept | the token proposed) at each position reached rather than the
-    accept/reject drawn, the same mean given that token with less noise (`Acceptance.observe_draft`)."""
+def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:
+    """The planner learns from each row's chain: the draft model's rows, and the lookups."""
     planner, drafted = state.planner, []
     for i in range(len(accepted)):
         source, length = proposal.source_of(i), proposal.length(i)
         if source == NGRAM:
             size, origin = _match(trace, i)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(size, acceptance[i][j] if acceptance else j < accepted[i], origin)
+                planner.acceptance.observe_lookup(size, j < accepted[i], origin)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -459,8 +433,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         return
     confidences = None if proposal.confidences is None else [proposal.confidences[i] for i in drafted]
     planner.observe_draft([proposal.length(i) for i in drafted], [accepted[i] for i in drafted],
-                          [accepted[i] > 0 for i in drafted], confidences, probe=bool(trace.plan and trace.plan.probe),
-                          soft=None if acceptance is None else [acceptance[i] for i in drafted])
+                          [accepted[i] > 0 for i in drafted], confidences, probe=bool(trace.plan and trace.plan.probe))
 
 
 def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdict) -> None:
@@ -509,7 +482,6 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         round=state.stats.rounds, row=row, draft_tokens=proposal.host_tokens()[i][: proposal.length(i)],
         num_accepted=accepted, emitted_tokens=verdict.tokens[i][: emission.counts[i]],
         expected_acceptance=_expected_acceptance(proposal, verdict, i),
-        token_acceptance=None if verdict.acceptance is None else verdict.acceptance[i][: proposal.length(i)],
         draft_seconds=trace.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
         parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
@@ -537,7 +509,12 @@ def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | 
 
 
 def _expected_acceptance(proposal: Proposal, verdict: Verdict, i: int) -> list[float] | None:
-    """1 - TV(p, q) per draft position of active row i (sampling chains only), where p was computed."""
-    if verdict.expected_acceptance is None:
+    """P(accept) = sum_t min(p(t), q(t)) = 1 - TV(p, q) per draft position of active row i (sampling
+    only; p(x) for a point mass), at the positions whose p was computed."""
+    if verdict.target_probs is None or proposal.tree is not None:
         return None
-    return verdict.expected_acceptance[i][: proposal.length(i)]
+    n = min(proposal.length(i), verdict.target_probs.shape[1])
+    target_probs = verdict.target_probs[i, :n]  # [n, vocab]
+    if proposal.draft_probs is None:
+        return target_probs.gather(-1, proposal.tokens[i, :n, None])[:, 0].tolist()
+    return torch.minimum(target_probs, proposal.draft_probs[i, :n]).sum(-1).tolist()

@@ -27,9 +27,6 @@ class RoundRecord:
     # Per draft position: sum_t min(p(t), q(t)) = 1 - TV(p, q), the probability that the rule accepts
     # at that position given the prefix (sampling mode only; None in greedy mode).
     expected_acceptance: list[float] | None = None
-    # Per draft position: min(1, p(x) / q(x)), the probability that the rule accepts the token x that
-    # was proposed (p(x) for a point mass), given the prefix (sampling mode only). What the planner learns.
-    token_acceptance: list[float] | None = None
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     source: str = "draft"  # "draft" (draft model), "ngram" (n-gram lookup, point-mass q) or "none" (plain step)

@@ -325,27 +325,6 @@ def test_pinned_costs_make_seeded_sampling_repeat_exactly():
     assert runs[0] == runs[1] and any(source == DRAFT for source, _, _ in runs[0][1])
 
 
-def test_sampled_rounds_teach_the_planner_p_of_acceptance_not_the_coin():
-    """In sampling the draft's first-token estimate follows min(1, p(x) / q(x)) of the token x each round
-    drafted (the record's token_acceptance), not the accept/reject drawn: replaying the records' values
-    through the same running mean gives exactly the call's estimate; the coins do not."""
-    target = tiny_model("llama", seed=5)
-    draft = perturbed(target, noise=0.5)
-    records = []
-    out = spec(target, draft, max_new_tokens=40, do_sample=True, generator=torch.Generator().manual_seed(3), ngram=False,
-               costs=Costs(draft_step=0.05, verify=0.01), acceptance_sink=records.append)
-    drafted = [r for r in records if r.source == DRAFT and r.draft_tokens]
-    assert len(drafted) >= 5 and all(len(r.token_acceptance) >= 1 for r in drafted)
-    assert all(0 <= a <= 1 for r in drafted for a in r.token_acceptance)
-    assert any(abs(r.token_acceptance[0] - r.expected_acceptance[0]) > 1e-3 for r in drafted)
-    soft = coin = Acceptance(1).draft[0]
-    for r in drafted:
-        soft = (1 - 0.2) * soft + 0.2 * r.token_acceptance[0]
-        coin = (1 - 0.2) * coin + 0.2 * float(r.num_accepted > 0)
-    assert out.cost_model.first_acceptance == pytest.approx(soft, abs=1e-6)
-    assert abs(coin - soft) > 1e-3  # the coins would have given another estimate
-
-
 def test_ngram_rounds_leave_the_draft_behind_and_it_catches_up():
     """After n-gram rounds the draft cache is shorter than the sequence; its next forward feeds the
     missing tokens at once. Caches never hold more than the sequence."""

@@ -14,8 +14,9 @@ from the costs it is given, is replayed once per regime (`evals/replay.py --cost
     # the table: per regime, mode and category, the planner's median modelled speedup over plain
     # against the best fixed strategy's (plain; lookup-only chains: transformers' prompt lookup, from
     # the records; draft chains with k = 2, 4, 6, 8)
-    # old code against new under one table (medians per category, and paired per prompt)
-    python evals/regimes.py compare --cost-table evals/results/standard/cost_table.json --old runs/old --new runs/new
+    # old code against new under one table (medians per category, and paired per prompt and seed)
+    python evals/regimes.py compare --cost-table evals/results/standard/cost_table.json \\
+        --old runs/old-s0,runs/old-s1 --new runs/new-s0,runs/new-s1
     python evals/regimes.py table --regime bf16=evals/results/standard/cost_table.json:runs/new-bf16 \\
         --regime accel=evals/results/gpu-handwritten/cost_table.json:runs/new-accel \\
         --fixed runs/fixed-greedy runs/fixed-k2 runs/fixed-k4 runs/fixed-k6 runs/fixed-k8
@@ -171,30 +172,46 @@ def table_command(args) -> dict:
     return summary
 
 
+def paired_ratios(old: list[list[dict]], new: list[list[dict]], table: CostTable) -> dict:
+    """mode -> category -> the per-prompt ratios of old over new modelled time per token, old and new
+    paired by seed (the i-th folder of each) and prompt."""
+    per_token = lambda r: table.modelled_seconds(r["work"], r["mode"], "hf_specdec") / r["new_tokens"]  # noqa: E731
+    out: dict = {}
+    for old_rows, new_rows in zip(old, new):
+        before = {(r["mode"], r["id"]): r for r in old_rows if r.get("new_tokens")}
+        for r in new_rows:
+            if r.get("new_tokens") and (r["mode"], r["id"]) in before:
+                ratio = per_token(before[r["mode"], r["id"]]) / per_token(r)
+                out.setdefault(r["mode"], {}).setdefault(r["category"], []).append(ratio)
+    return out
+
+
 def compare_command(args) -> None:
-    """Old code against new, one cost table: per mode and category the median modelled speedup of
-    each, their ratio, and the paired geometric mean over prompts of new / old modelled time per token."""
+    """Old code against new, one cost table, one or more seeds (comma-separated folders, paired in
+    order): per mode and category the median modelled speedup of each (seeds pooled, as `medians`
+    pools them), their ratio, and the paired geometric mean over prompts and seeds of old / new
+    modelled time per token."""
     records = read_records(Path(args.records))
     plain = {(r["mode"], r["id"]): [r] for r in records if r["method"] == "plain"}
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:
         table.alias("hf", "bf16")
-    runs = [[json.loads(x) for x in open(Path(d) / "replay.jsonl")] for d in (args.old, args.new)]
-    old, new = (medians(rows, plain, table, "hf_specdec") for rows in runs)
-    per_token = [{(r["mode"], r["id"]): table.modelled_seconds(r["work"], r["mode"], "hf_specdec") / r["new_tokens"]
-                  for r in rows} for rows in runs]
+    runs = [[[json.loads(x) for x in open(Path(d) / "replay.jsonl")] for d in spec.split(",")] for spec in (args.old, args.new)]
+    if len(runs[0]) != len(runs[1]):
+        raise SystemExit(f"--old has {len(runs[0])} folders and --new {len(runs[1])}: one each per seed, in the same order")
+    old, new = (medians([r for rows in seeds for r in rows], plain, table, "hf_specdec") for seeds in runs)
+    paired = paired_ratios(*runs, table)
     lines = []
     for mode in sorted(new):
         lines += [f"### {mode}", "", "| category | old | new | new / old (medians) | paired, geometric mean of old / new time per token |",
                   "|---|---|---|---|---|"]
         for category in sorted(new[mode]):
-            keys = [k for k in per_token[1] if k[0] == mode and k in per_token[0]
-                    and next(r["category"] for r in runs[1] if (r["mode"], r["id"]) == k) == category]
-            paired = geometric_mean(per_token[0][k] / per_token[1][k] for k in keys)
             lines.append(f"| {category} | {old[mode][category]:.2f} | {new[mode][category]:.2f} | "
-                         f"{new[mode][category] / old[mode][category]:.3f} | {paired:.3f} |")
+                         f"{new[mode][category] / old[mode][category]:.3f} | {geometric_mean(paired[mode][category]):.3f} |")
         go, gn = geometric_mean(old[mode].values()), geometric_mean(new[mode].values())
-        lines += [f"| **geometric mean** | **{go:.2f}** | **{gn:.2f}** | **{gn / go:.3f}** | |", ""]
+        every = [x for ratios in paired[mode].values() for x in ratios]
+        lines += [f"| **geometric mean** | **{go:.2f}** | **{gn:.2f}** | **{gn / go:.3f}** | "
+                  f"**{geometric_mean(every):.3f}** over {len(every)} pairs |", ""]
     text = "\n".join(lines)
     print(text)
     if args.out:
@@ -220,8 +237,8 @@ def main(argv=None) -> None:
     cmp = sub.add_parser("compare", help="old code against new under one cost table")
     cmp.add_argument("--records", default=str(STANDARD))
     cmp.add_argument("--cost-table", required=True)
-    cmp.add_argument("--old", required=True, help="replay folder of the old code")
-    cmp.add_argument("--new", required=True, help="replay folder of the new code")
+    cmp.add_argument("--old", required=True, help="replay folders of the old code (comma-separated: one per seed)")
+    cmp.add_argument("--new", required=True, help="replay folders of the new code, seeds in the same order")
     cmp.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.command == "simulate":

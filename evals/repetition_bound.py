@@ -79,8 +79,8 @@ def coverage(target, draft, prompt_ids: list[int], tokens: list[int], workload) 
     start = len(prompt_ids) - 1
     probs = []
     for model in (target, draft):
-        logits = model(ids).logits[0, start:-1].float()
-        logits = torch.stack([warp(ids[:, : start + 1 + i], logits[i : i + 1])[0] for i in range(len(tokens))])
+        logits = model(ids).logits[0, start:-1].float()  # [n, vocab]: temperature and top-p read no ids
+        logits = warp(torch.zeros(len(tokens), 1, dtype=torch.long), logits)
         probs.append(torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)])
     p, q = probs
     return torch.where(p > 0, torch.clamp(q / p.clamp_min(1e-12), max=1.0), torch.zeros_like(p)).tolist()

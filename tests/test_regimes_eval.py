@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "evals"))
 
 from costs import CostTable  # noqa: E402
-from regimes import medians  # noqa: E402
+from regimes import medians, paired_ratios  # noqa: E402
 
 
 def flat_table() -> CostTable:
@@ -40,3 +40,11 @@ def test_several_seeds_of_a_prompt_are_pooled_before_the_median():
     assert medians(rows[:1], plain, table, "hf_specdec")["sampling"]["qa"] == pytest.approx(1.0)
     # a prompt plain never ran is left out
     assert "sampling" not in medians([record("c", "qa", 5, 1)], plain, table, "hf_specdec")
+
+
+def test_old_and_new_are_paired_by_seed_and_prompt():
+    table = flat_table()
+    old = [[record("a", "qa", 10, 10), record("b", "rag", 10, 5)], [record("a", "qa", 10, 10)]]
+    new = [[record("a", "qa", 10, 5), record("b", "rag", 20, 5), record("c", "rag", 1, 1)], [record("a", "qa", 10, 20)]]
+    # seed 0: a twice as fast, b twice as fast, c has no old pair; seed 1: a half as fast (not paired with seed 0)
+    assert paired_ratios(old, new, table) == {"sampling": {"qa": [2.0, 0.5], "rag": [2.0]}}

@@ -89,6 +89,22 @@ class CostTable:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""
         self.forwards[name], self.prefill[name] = self.forwards[like], self.prefill[like]
 
+    @classmethod
+    def mean(cls, tables: list["CostTable"]) -> "CostTable":
+        """The elementwise mean of tables measured on the same grid (runs on different days or machines)."""
+        first = tables[0]
+        if any((t.widths, t.contexts, t.prefills) != (first.widths, first.contexts, first.prefills) for t in tables):
+            raise ValueError("tables measured on different grids cannot be averaged")
+        avg = lambda values: sum(values) / len(values)  # noqa: E731
+        return cls(
+            widths=first.widths, contexts=first.contexts, prefills=first.prefills,
+            forwards={m: [[avg(cells) for cells in zip(*rows)] for rows in zip(*(t.forwards[m] for t in tables))]
+                      for m in first.forwards},
+            prefill={m: [avg(cells) for cells in zip(*(t.prefill[m] for t in tables))] for m in first.prefill},
+            position={mode: {e: avg([t.position[mode][e] for t in tables]) for e in first.position[mode]}
+                      for mode in first.position},
+        )
+
     def drift(self, other: "CostTable") -> float:
         """Largest relative difference between two tables' forward prices (start against end of a run)."""
         pairs = [(a, b) for model in self.forwards for ra, rb in zip(self.forwards[model], other.forwards[model])
@@ -125,10 +141,10 @@ def _time_forward(model, cache, ids: torch.Tensor, logits: int) -> float:
     from hf_specdec.cache import rollback
 
     base = cache.get_seq_length()
+    _sync(ids.device)
     start = time.perf_counter()
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits)
-    if ids.device.type == "cuda":
-        torch.cuda.synchronize()
+    _sync(ids.device)
     seconds = time.perf_counter() - start
     rollback([cache], base)
     return seconds
@@ -179,14 +195,21 @@ def _position_seconds(processors: dict[str, object], vocab: int, device, reps: i
     for engine, pick in processors.items():
         logits = (torch.randn(1, vocab, generator=gen) * 3).to(device)
         pick(logits)  # warm-up
+        _sync(logits.device)
         start = time.perf_counter()
         for _ in range(reps):
             pick(logits)
+        _sync(logits.device)
         out[engine] = (time.perf_counter() - start) / reps
     return out
 
 
-def position_pickers(generation_config, mode_kwargs: dict) -> dict[str, object]:
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def position_pickers(generation_config, mode_kwargs: dict, device="cpu") -> dict[str, object]:
     """Per engine, a callable [1, vocab] logits -> token doing what that engine does per position:
     transformers' warpers from the generation config and a multinomial draw (or argmax), or
     hf_specdec's `RowProcessors` path and draw."""
@@ -194,7 +217,7 @@ def position_pickers(generation_config, mode_kwargs: dict) -> dict[str, object]:
 
     from hf_specdec.sampling import RowProcessors, logits_to_probs, sample
 
-    ids = torch.zeros(1, 1, dtype=torch.long)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
     if not mode_kwargs.get("do_sample"):
         argmax = lambda logits: logits.float().argmax(-1)  # noqa: E731
         return {engine: argmax for engine in ENGINES}
@@ -235,6 +258,7 @@ def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[
         prefill[name] = _prefills(model, vocab, prefills, reps, gen)
     table = CostTable(widths=list(widths), contexts=list(contexts), forwards=forwards, prefills=list(prefills),
                       prefill=prefill)
-    table.position = {mode: _position_seconds(position_pickers(target.generation_config, kwargs), vocab, target.device)
+    table.position = {mode: _position_seconds(position_pickers(target.generation_config, kwargs, target.device), vocab,
+                                              target.device)
                       for mode, kwargs in modes.items()}
     return table

@@ -21,7 +21,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import traceback
 import warnings
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -63,19 +65,47 @@ def count_host_reads(call) -> tuple[object, int]:
     return result, count[0]
 
 
-def count_syncs(call) -> tuple[object, int | None]:
-    """(call's result, synchronising CUDA calls it made; off CUDA, host reads: `count_host_reads`)."""
+def count_syncs(call, sites: Counter | None = None) -> tuple[object, int | None]:
+    """(call's result, synchronising CUDA calls it made; off CUDA, host reads: `count_host_reads`).
+    With `sites`, each synchronisation is also counted there under the innermost line of hf_specdec
+    (else of transformers, else the caller) that made it."""
     if not torch.cuda.is_available():
         return count_host_reads(call)
     torch.cuda.synchronize()
-    with warnings.catch_warnings(record=True) as caught:
+    count = [0]
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        count[0] += 1
+        if sites is not None:
+            sites[_site(traceback.extract_stack()[:-1])] += 1
+
+    with warnings.catch_warnings():
         warnings.simplefilter("always")
+        warnings.showwarning = show
         torch.cuda.set_sync_debug_mode("warn")
         try:
             result = call()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return result, sum("synchroniz" in str(w.message) for w in caught)
+    return result, count[0]
+
+
+def _site(stack) -> str:
+    """The innermost frame of hf_specdec (else of transformers, else the caller's) that made a
+    synchronisation, and the innermost frame below it in transformers where there is one."""
+    frames = [f for f in stack if not f.filename.endswith("warnings.py") and "cuda_checks" not in f.filename]
+    def short(frame, marker):
+        name = frame.filename.split(marker)[-1]
+        return f"{marker.strip('/')}/{name}:{frame.lineno} {frame.name}: {(frame.line or '').strip()[:60]}"
+    for marker in ("/hf_specdec/", "/transformers/"):
+        hits = [i for i, f in enumerate(frames) if marker in f.filename]
+        if hits:
+            site = short(frames[hits[-1]], marker)
+            below = [f for f in frames[hits[-1] + 1:] if "/transformers/" in f.filename]
+            return site + (f" > {short(below[-1], '/transformers/')}" if below and marker != "/transformers/" else "")
+    return f"{frames[-1].filename}:{frames[-1].lineno}" if frames else "?"
 
 
 def sync_table(device: str, new_tokens: int) -> list[dict]:
@@ -106,13 +136,15 @@ def sync_table(device: str, new_tokens: int) -> list[dict]:
         count_syncs(lambda: call(4))  # warm-up
         forwards = []
         hook = target.register_forward_hook(lambda *args: forwards.append(1))
+        sites = Counter()
         try:
-            out, syncs = count_syncs(call)
+            out, syncs = count_syncs(call, sites)
         finally:
             hook.remove()
         rounds = len(forwards)  # target forwards: a round each (a step for plain decoding), the prefill's included
         rows.append(dict(case=name, syncs=syncs, rounds=rounds, tokens=out.sequences.shape[1] - ids.shape[1],
-                         per_round=None if syncs is None else round(syncs / max(1, rounds), 2)))
+                         per_round=None if syncs is None else round(syncs / max(1, rounds), 2),
+                         sites=sites.most_common(12)))
         print(rows[-1])
     return rows
 
@@ -177,6 +209,12 @@ def markdown(result: dict) -> str:
     lines = [f"# CUDA checks ({result['device']})", "", f"## {what} per round (a round: one target forward)", "",
              "| case | count | target forwards | tokens | per round |", "|---|---|---|---|---|"]
     lines += [f"| {r['case']} | {r['syncs']} | {r['rounds']} | {r['tokens']} | {r['per_round']} |" for r in result["syncs"]]
+    for r in result["syncs"]:
+        if r.get("sites"):
+            lines += ["", f"Where {r['case']} synchronises (count, innermost hf_specdec line, else transformers):", ""]
+            lines += [f"- {n}: `{site}`" for site, n in r["sites"]]
+    if not result.get("identity"):
+        return "\n".join(lines) + "\n"
     lines += ["", "## Greedy identity (float32)", "", "| arch | levers | rows equal | batch equal |", "|---|---|---|---|"]
     lines += [f"| {r['arch']} | `{r['levers']}` | {r['rows_equal']} | {r['batch_equal']} |" for r in result["identity"]]
     lines += ["", f"## Chi-square (alpha {ALPHA})", "", "| variant | samples | chi2 | dof | p | as expected |",
@@ -191,6 +229,7 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     add_options(parser, out=REQUIRED)
     parser.add_argument("--dry-run", action="store_true", help="CPU, few tokens and samples: checks the script runs")
+    parser.add_argument("--syncs-only", action="store_true", help="only the synchronisation table (with sites)")
     args = parser.parse_args(argv)
     device, new_tokens, samples, batch = args.device, 48, 6000, 1000
     if args.dry_run:
@@ -202,8 +241,10 @@ def main(argv=None) -> int:
     result = dict(device=torch.cuda.get_device_name(0) if device.startswith("cuda") else "cpu (dry run)",
                   torch=torch.__version__)
     result["syncs"] = sync_table(device, new_tokens)
-    result["identity"] = greedy_identity(device, new_tokens)
-    result["chi_square"] = chi_square(device, samples, batch)
+    result["identity"], result["chi_square"] = [], []
+    if not args.syncs_only:
+        result["identity"] = greedy_identity(device, new_tokens)
+        result["chi_square"] = chi_square(device, samples, batch)
     (out / "checks.json").write_text(json.dumps(result, indent=1))
     (out / "checks.md").write_text(markdown(result))
     print(markdown(result))

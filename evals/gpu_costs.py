@@ -146,7 +146,17 @@ def main(argv=None) -> CostTable:
                         help="only build both models on the meta device (no memory, no timing) and print their sizes")
     parser.add_argument("--handwritten", action="store_true",
                         help="write the hand-written accelerator-like table (`handwritten_table`) instead of measuring")
+    parser.add_argument("--mean", nargs="+", metavar="COST_TABLE", type=Path,
+                        help="write the elementwise mean of these measured cost_table.json files (same grid) to --out")
     args = parser.parse_args(argv)
+    if args.mean:
+        table = CostTable.mean([CostTable.load(path) for path in args.mean])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        table.save(Path(args.out) / "cost_table.json")
+        text = describe(table, {}) + "\nThe elementwise mean of " + ", ".join(str(p) for p in args.mean) + "\n"
+        (Path(args.out) / "cost_table.md").write_text(text)
+        print(text)
+        return table
     if args.handwritten:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         handwritten_table().save(Path(args.out) / "cost_table.json")

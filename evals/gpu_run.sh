@@ -15,9 +15,10 @@
 # and OUT/log.txt (everything printed, the machine and the versions).
 #
 # hf_specdec needs transformers >= 5.23; where the machine's is older (5.17 on the device machine) and
-# nothing can be fetched, carry its wheel: `pip download --no-deps --only-binary=:all: transformers==5.24.0
-# -d .whl` here, then name `.whl` in the device tool's `carry`; it is installed with --no-deps into
-# /tmp/site. Without a CUDA device the script makes a dry run: it prints this plan, checks every
+# nothing can be fetched, carry it with its needs that the machine lacks (huggingface_hub 2.x needs
+# httpx2 and hf-xet, transformers 5.25 kernels): `evals/gpu_wheels.sh` downloads them into .whl here,
+# then name `.whl` in the device tool's `carry`; every wheel there is installed with --no-deps into
+# /tmp/site, ahead of the machine's own packages. Without a CUDA device the script makes a dry run: it prints this plan, checks every
 # import, the configs (models built on the meta device) and each step's arguments, and exits 0.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -28,13 +29,13 @@ mkdir -p "$OUT"
 
 transformers_ok() { "$PY" -c "import sys, transformers as t; v = tuple(int(x) for x in t.__version__.split('.')[:2]); sys.exit(0 if v >= (5, 23) else 1)"; }
 if ! transformers_ok; then
-  wheel=$(ls .whl/transformers-*.whl 2>/dev/null | head -1 || true)
-  if [ -z "$wheel" ]; then
+  if ! ls .whl/transformers-*.whl >/dev/null 2>&1; then
     echo "evals/gpu_run.sh: transformers >= 5.23 is needed and no .whl/transformers-*.whl was carried (see the header)" >&2
     exit 1
   fi
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$wheel"
-  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH="$PWD:/tmp/site${PYTHONPATH#$PWD}"
+  transformers_ok || { echo "evals/gpu_run.sh: the carried wheels did not give transformers >= 5.23" >&2; exit 1; }
 fi
 
 if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)"; then
@@ -56,10 +57,10 @@ fi
   echo "== machine"; nvidia-smi -L || true
   "$PY" -c "import torch, transformers, hf_specdec; print('torch', torch.__version__, 'cuda', torch.version.cuda, '| transformers', transformers.__version__, '| device', torch.cuda.get_device_name(0))"
   echo "== 1. cost table"
-  timeout 200 "$PY" evals/gpu_costs.py --device cuda --out "$OUT/costs"
+  timeout 200 "$PY" evals/gpu_costs.py --device cuda --out "$OUT/costs" || echo "== step failed with exit $? (the next steps run)"
   echo "== 2. loop overhead"
-  timeout 150 "$PY" evals/overhead.py --device cuda --dtype bfloat16 --repeats 3 --out "$OUT/overhead"
+  timeout 150 "$PY" evals/overhead.py --device cuda --dtype bfloat16 --repeats 3 --out "$OUT/overhead" || echo "== step failed with exit $? (the next steps run)"
   echo "== 3. syncs, identity, chi-square"
-  timeout 200 "$PY" evals/cuda_checks.py --device cuda --out "$OUT/checks"
+  timeout 200 "$PY" evals/cuda_checks.py --device cuda --out "$OUT/checks" || echo "== step failed with exit $? (the next steps run)"
   echo "== done: $OUT"
 } 2>&1 | tee "$OUT/log.txt"

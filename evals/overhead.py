@@ -293,8 +293,33 @@ def markdown(result: dict) -> str:
         if "greedy_identical" in entry:
             line += f"; hf_specdec output == plain greedy: {entry['greedy_identical']}"
             line += f"; transformers output == plain greedy: {entry['transformers_identical']}"
+            for method, where in entry.get("divergence", {}).items():
+                line += (f"; {method} leaves plain at token {where['position']}, where plain's top-two margin is "
+                         f"{where['margin']} ({where['bf16_steps']} bf16 steps: "
+                         f"{'a tie' if where['bf16_steps'] is not None and where['bf16_steps'] <= 1 else 'NOT a tie'})")
         lines.append(line)
     return "\n".join(lines)
+
+
+def divergences(target, ids, max_new_tokens: int, outputs: dict) -> dict:
+    """Per method whose first greedy output differs from plain's: where, and plain decoding's top-two
+    margin there in bf16 steps (at most 1: a rounding tie, the only acceptable cause in bf16)."""
+    from hf_specdec.diagnostics import greedy_divergence
+
+    plain = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                            output_scores=True, return_dict_in_generate=True)
+    n = ids.shape[1]
+    reference, scores = plain.sequences[0, n:].cpu(), [s[0].cpu() for s in plain.scores]
+    found = {}
+    for method, outs in outputs.items():
+        if method == "plain" or not outs:
+            continue
+        where = greedy_divergence(reference, outs[0][0, n:], scores)
+        if where is not None:
+            steps = where.margin_in_bf16_steps
+            found[method] = dict(position=where.position, margin=where.margin,
+                                 bf16_steps=None if steps is None else round(steps, 2))
+    return found
 
 
 # ---------------------------------------------------------------- main
@@ -359,6 +384,7 @@ def main(vocab=QWEN_VOCAB, k=5, max_new_tokens=200, repeats=3, prompt_tokens=64,
             same = lambda m: all(torch.equal(a, b) for a, b in zip(outputs[m], outputs["plain"]))  # noqa: E731
             entry["greedy_identical"] = same("hf_specdec")
             entry["transformers_identical"] = same("transformers")
+            entry["divergence"] = divergences(target, ids, max_new_tokens, outputs)
         result["modes"][mode] = entry
     bar.close()
 

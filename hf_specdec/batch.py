@@ -32,6 +32,7 @@ import torch
 from transformers import Cache
 
 from .cache import can_gather, gather_columns, select_rows
+from .host import to_device
 from .sampling import Prefixes
 
 # Compact only when at least this many columns are holes for the row with the most real tokens.
@@ -80,7 +81,7 @@ class RaggedBatch:
 
     def real_sequence(self, i: int) -> torch.Tensor:  # [1, len]: active row i, for stopping criteria
         row = self.rows[i]
-        tail = torch.tensor(self.generated[row], dtype=torch.long, device=self.ids.device)
+        tail = to_device(self.generated[row], self.ids.device)
         return torch.cat([self.prompts[row], tail])[None]
 
     def host_sequences(self) -> list[list[int]]:
@@ -129,7 +130,7 @@ class RaggedBatch:
     def select(self, keep: list[int], caches: tuple[Cache | None, ...]) -> None:
         """Keep only the active rows at positions `keep`, in the work sequence and in the caches."""
         self._prefixes = None
-        index = torch.tensor(keep, dtype=torch.long, device=self.ids.device)
+        index = to_device(keep, self.ids.device)
         self.ids = self.ids[index]
         self.mask = None if self.mask is None else self.mask[index]
         self.rows = [self.rows[i] for i in keep]
@@ -215,5 +216,5 @@ class RaggedBatch:
         out = torch.full((len(self.generated), width + longest), pad_token_id, dtype=torch.long, device=self.ids.device)
         for row, (prompt, tokens) in enumerate(zip(self.prompts, self.generated)):
             out[row, width - prompt.shape[0] : width] = prompt
-            out[row, width : width + len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            out[row, width : width + len(tokens)] = to_device(tokens, out.device)
         return out

@@ -21,6 +21,8 @@ import torch
 from transformers import Cache, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from .host import to_device
+
 
 class UnsupportedCacheError(ValueError):
     """The cache type cannot be rolled back, or holds state we cannot account for."""
@@ -212,15 +214,15 @@ def extend_tree(
     queries, keys = pending + n, past + pending + n
     allowed = torch.zeros((queries, keys), dtype=torch.bool, device=input_ids.device)
     allowed[:, :past] = True
-    allowed[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool).tril()
+    allowed[:pending, past : past + pending] = torch.ones(pending, pending, dtype=torch.bool, device=input_ids.device).tril()
     allowed[pending:, past : past + pending] = True
-    allowed[pending:, past + pending :] = seen.to(input_ids.device)
+    allowed[pending:, past + pending :] = to_device(seen, input_ids.device, torch.bool)
     dtype = next(model.parameters()).dtype
     mask = torch.zeros((1, 1, queries, keys), dtype=dtype, device=input_ids.device)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     positions = torch.cat([
         torch.arange(past, past + pending, device=input_ids.device),
-        past + pending + torch.tensor(depth, dtype=torch.long, device=input_ids.device),
+        past + pending + to_device(depth, input_ids.device),
     ])[None]
     kwargs = {"logits_to_keep": n + 1} if _accepts_logits_to_keep(type(model)) else {}
     out = model(
@@ -240,12 +242,12 @@ def keep_path(cache: Cache, length: int, path: list[int], nodes: int) -> None:
         raise RuntimeError(f"keep_path expects {length} + {nodes} cached columns, the cache holds {cache.get_seq_length()}")
     kept = length + len(path)
     if path != list(range(len(path))):
-        columns = torch.tensor([length + node for node in path], dtype=torch.long)
+        columns = [length + node for node in path]
         on: dict[torch.device, torch.Tensor] = {}  # the indices on each layer's device (a model split over devices)
         for layer in cache.layers:
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
-            source = on.setdefault(layer.keys.device, columns.to(layer.keys.device))
+            source = on.setdefault(layer.keys.device, to_device(columns, layer.keys.device))
             # index_select copies the accepted columns out before they are written over (a path's
             # j-th node sits at or after column length + j, so source and destination may overlap)
             layer.keys[:, :, length:kept] = layer.keys.index_select(2, source)

@@ -42,6 +42,7 @@ from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence, Union
 import torch
 from transformers import GenerationConfig, PreTrainedModel
 
+from .host import to_device
 from .stats import AcceptanceStats
 
 # A prompt: token ids, or {"input_ids": token ids, "max_new_tokens": its own budget}; None: none waiting.
@@ -218,7 +219,7 @@ class Requests:
         self.failed[row] = error
 
     def finished(self, row: int, prompt: torch.Tensor, tokens: list[int], acceptance: AcceptanceStats) -> None:
-        tokens = torch.tensor(tokens, dtype=torch.long, device=prompt.device)
+        tokens = to_device(tokens, prompt.device)
         self._deliver(StreamResult(self.stream_index[row], prompt, tokens, acceptance, self.failed.pop(row, None)))
 
     def _deliver(self, result: StreamResult) -> None:

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_path, pad_front, rollback
+from .host import to_device
 from .planner import RoundPlan
 from .proposals import DraftRequest, Proposal
 from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
@@ -180,7 +181,7 @@ def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> tuple[
 def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:
     """Retrieved chains (host tokens) as one proposal, each row its own length."""
     k = max(len(c) for c in chains)
-    tokens = torch.tensor([c + [0] * (k - len(c)) for c in chains], dtype=torch.long, device=device)
+    tokens = to_device([c + [0] * (k - len(c)) for c in chains], device)
     return Proposal(tokens, None, source=NGRAM, host=chains, sources=[NGRAM if c else NONE for c in chains])
 
 
@@ -200,7 +201,7 @@ def _mixed(chain: Proposal, retrieved: list[list[int] | None], lengths: list[int
             host.append(chain.host[r][: lengths[r]])
             sources.append(DRAFT if lengths[r] else NONE)
             continue
-        ids = torch.tensor(row, dtype=torch.long, device=device)
+        ids = to_device(row, device)
         tokens[r, : len(row)] = ids
         if q is not None:
             q[r, : len(row)] = torch.nn.functional.one_hot(ids, q.shape[-1]).to(q.dtype)
@@ -266,7 +267,7 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
     k = proposal.num_tokens
     lengths = None
     if proposal.host is not None and any(len(h) != k for h in proposal.host):
-        lengths = torch.tensor([len(h) for h in proposal.host], device=drafts.device)
+        lengths = to_device([len(h) for h in proposal.host], drafts.device)
     ids = torch.cat([batch.ids, drafts], dim=1)  # [rows, seq + k]
     mask = None if batch.mask is None else torch.nn.functional.pad(batch.mask, (0, k), value=1)
     columns = ids.shape[1] - state.cache.get_seq_length()
@@ -304,17 +305,17 @@ def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
     prefixes = batch.prefixes()
     scores = []
     for node in range(-1, len(tokens)):
-        branch = torch.tensor([path_tokens(tokens, tree.parents, node)], dtype=torch.long, device=logits.device)
+        branch = to_device([path_tokens(tokens, tree.parents, node)], logits.device)
         scores.append(state.processors.scores(prefixes, branch, logits[node + 1][None])[0])
     scores = torch.stack(scores)  # [n + 1, vocab]
     argmax = scores.argmax(dim=-1).tolist()  # the verdict's one device read
     path, extra = greedy_tree_verification(tokens, tree.parents, lambda node: argmax[node + 1])
-    walk = [n + 1 for n in [-1] + path]
+    walk = to_device([n + 1 for n in [-1] + path], logits.device)
     emitted = [tokens[j] for j in path] + [extra]
     return Verdict(
-        num_accepted=torch.tensor([len(path)], device=logits.device),
-        emitted=torch.tensor([emitted], dtype=torch.long, device=logits.device), tokens=[emitted],
-        target_scores=scores[walk][None], target_logits=logits[walk][None],
+        num_accepted=to_device([len(path)], logits.device),
+        emitted=to_device([emitted], logits.device), tokens=[emitted],
+        target_scores=scores.index_select(0, walk)[None], target_logits=logits.index_select(0, walk)[None],
         target_probs=None, seconds=state.clock.now() - start, path=path, columns=columns,
     )
 
@@ -382,7 +383,7 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
             sequence = torch.cat([before, verdict.emitted[i : i + 1, : len(tokens)]], dim=1)
             for j in range(len(tokens)):
                 stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
-                row.append(stop.all() if isinstance(stop, torch.Tensor) else torch.tensor(bool(stop), device=no.device))
+                row.append(stop.all() if isinstance(stop, torch.Tensor) else to_device(bool(stop), no.device, torch.bool))
         except Exception as error:
             if state.requests is None:
                 raise

@@ -77,3 +77,19 @@ def test_cuda_checks_dry_run(tmp_path):
 
     assert cuda_checks.main(["--dry-run", "--out", str(tmp_path)]) == 0
     assert (tmp_path / "checks.md").exists()
+
+
+def test_mean_of_two_cost_tables_is_elementwise(tmp_path):
+    from costs import CostTable
+
+    one, two = gpu_costs.handwritten_table(step=0.01), gpu_costs.handwritten_table(step=0.03, draft_ratio=0.5)
+    for name, table in (("a.json", one), ("b.json", two)):
+        table.save(tmp_path / name)
+    mean = gpu_costs.main(["--mean", str(tmp_path / "a.json"), str(tmp_path / "b.json"), "--out", str(tmp_path / "m")])
+    assert mean.forward("target", 5, 256) == pytest.approx(0.02)
+    assert mean.forward("bf16", 1, 64) == pytest.approx((0.006 + 0.015) / 2)
+    assert CostTable.load(tmp_path / "m" / "cost_table.json").prefill == mean.prefill
+    other = gpu_costs.handwritten_table()
+    other.widths = other.widths[:-1]
+    with pytest.raises(ValueError, match="different grids"):
+        CostTable.mean([one, other])

@@ -116,3 +116,38 @@ def test_the_counter_sees_a_read_per_drafted_token(monkeypatch):
         ids, attention_mask=torch.ones_like(ids), max_new_tokens=40, custom_generate=hf_specdec.speculative_generate,
         assistant=draft, tree=False, costs=hf_specdec.Costs(draft_step=0.1, verify=0.01)))
     assert max(own) > BOUND
+
+
+LOOP_MODULES = ("batch.py", "cache.py", "continuous.py", "rounds.py", "sampling.py", "verify.py", "proposals")
+
+
+def test_the_loop_uploads_host_values_only_through_to_device():
+    """A host list made into a device tensor (`torch.tensor(values, device=...)`, or a CPU tensor
+    `.to(device)`) is a blocking copy that waits for the device's queue: on the H200, CUDA counted one
+    synchronisation per call (evals/results/gpu-h200/). The loop uploads through `hf_specdec.host.to_device`
+    (pinned memory, an asynchronous copy). A CPU cannot see the difference, so this reads the source."""
+    import re
+    from pathlib import Path
+
+    root = Path(hf_specdec.__file__).parent
+    files = [p for name in LOOP_MODULES for p in ([root / name] if name.endswith(".py") else sorted((root / name).glob("*.py")))]
+    offending = []
+    for path in files:
+        text = path.read_text()
+        for call in re.finditer(r"torch\.(?:tensor|as_tensor)\((?:[^()]|\([^()]*\))*\)", text):
+            if "device=" in call.group(0):
+                line = text.count("\n", 0, call.start()) + 1
+                offending.append(f"{path.relative_to(root)}:{line}: {call.group(0)[:80]}")
+    allowed = {"continuous.py"}  # a stream's prompts, once per request (torch.as_tensor of the user's item)
+    offending = [o for o in offending if o.split(":")[0] not in allowed]
+    assert not offending, "upload through hf_specdec.host.to_device:\n" + "\n".join(offending)
+
+
+def test_to_device_keeps_values_and_dtype():
+    from hf_specdec.host import to_device
+
+    assert to_device([[1, 2], [3, 4]], "cpu").tolist() == [[1, 2], [3, 4]]
+    assert to_device([1, 2], "cpu").dtype == torch.long
+    assert to_device(True, "cpu", torch.bool).item() is True
+    mask = torch.tensor([[True, False]])
+    assert torch.equal(to_device(mask, "cpu", torch.bool), mask)

@@ -16,6 +16,7 @@ import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..config import SpeculativeConfig
+from ..host import to_device
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
 from .tree import retrieve
@@ -36,7 +37,7 @@ def ngram_lookup(
     """The continuation of the most recent earlier occurrence of the sequence's last n tokens, trying
     n = max_ngram down to min_ngram."""
     tokens, _ = ngram_match(sequence.tolist(), max_ngram, min_ngram, max_tokens)
-    return torch.tensor(tokens, dtype=torch.long, device=sequence.device)
+    return to_device(tokens, sequence.device)
 
 
 def ngram_match(
@@ -75,7 +76,7 @@ class NgramDrafter(Drafter):
         if len(request.prefixes.rows) != 1:
             raise ValueError(f"n-gram lookup proposes for one row at a time, got {len(request.prefixes.rows)}")
         tokens, _ = self.match_rows(request)[0]
-        ids = torch.tensor([tokens], dtype=torch.long, device=request.ids.device)  # [1, L]
+        ids = to_device([tokens], request.ids.device)  # [1, L]
         return Proposal(ids, draft_probs=None, source=self.source, host=[tokens])
 
     def match_rows(self, request: DraftRequest) -> list[tuple[list[int], int]]:

@@ -28,6 +28,7 @@ from typing import Sequence
 
 import torch
 
+from ..host import to_device
 from ..stats import DRAFT, NGRAM
 from .base import Proposal, Tree
 
@@ -201,7 +202,7 @@ def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: s
     drafted, forwards = 0, 0 if chain is None else chain.forwards
     while chain is not None and drafted < min(len(kept), chain.num_tokens) and kept[drafted] == drafted:
         drafted += 1
-    ids = torch.tensor([tokens], dtype=torch.long, device=device)  # [1, n]
+    ids = to_device([tokens], device)  # [1, n]
     if parents == list(range(-1, len(parents) - 1)) and drafted in (0, len(tokens)):  # a chain from one source
         if drafted:
             return chain.first([drafted])

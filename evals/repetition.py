@@ -229,14 +229,15 @@ def run_method(target, draft, tokenizer, prompts: list[dict], workload: Workload
 
 
 def run_all(target, draft, tokenizer, prompts: dict[str, list[dict]], tables: dict[str, CostTable], samples: int = 8,
-            max_new_tokens: int = 128, seed: int = 0, execute: bool = True, sink=None) -> tuple[list[dict], list[dict]]:
+            max_new_tokens: int = 128, seed: int = 0, execute: bool = True, sink=None,
+            methods=METHODS) -> tuple[list[dict], list[dict]]:
     """Both methods on each workload of `prompts` ({workload name: prompts}); (records, runs). The
     first table pins hf_specdec's costs; every table prices the work. `tokenizer` None: no texts."""
     timers = {"target": ForwardTimer(target), "hf": ForwardTimer(draft)}
     settings = dict(samples=samples, max_new_tokens=max_new_tokens, seed=seed, execute=execute)
     records, runs = [], []
     for name, workload_prompts in prompts.items():
-        for method in METHODS:
+        for method in methods:
             done, run = run_method(target, draft, tokenizer, workload_prompts, WORKLOADS[name], method, tables,
                                    settings, timers, sink or (lambda record: None))
             records += done
@@ -371,6 +372,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hf_specdec's costs, each one given again reprices the same work")
     parser.add_argument("--reprice", action="append", default=[], help="another table to reprice the work with")
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+                        help="run these only (a variant of the library against a recorded run: its cached method)")
     parser.add_argument("--samples", type=int, default=8, help="samples a prompt (n)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a workload")
@@ -398,7 +401,7 @@ def main(argv=None) -> list[dict]:
     with open(out / "records.jsonl", "w") as sink:
         records, runs = run_all(target, draft, tokenizer, prompts, tables, args.samples, args.max_new_tokens,
                                 args.seed, not args.no_execute,
-                                lambda record: (sink.write(json.dumps(record) + "\n"), sink.flush()))
+                                lambda record: (sink.write(json.dumps(record) + "\n"), sink.flush()), args.methods)
     command = "python evals/repetition.py " + " ".join(argv if argv is not None else sys.argv[1:])
     text, rows = report(records, runs, paths, command)
     (out / "results.md").write_text(text)

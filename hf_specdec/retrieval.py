@@ -220,6 +220,13 @@ class RetrievalCache:
         most frequent path first; `size` is the match's bucket (`match_bucket`; 0: no match).
         `exclude`: the key of an open sequence not searched (the row's own text, which in-row lookup
         already searches)."""
+        return self.lookup_shares(query, max_tokens, max_branches, min_match, exclude)[:2]
+
+    def lookup_shares(self, query: Sequence[int], max_tokens: int, max_branches: int = 1, min_match: int = 1,
+                      exclude: object = None) -> tuple[list[list[int]], int, list[list[float]]]:
+        """`lookup`, and per continuation, per token, the share of the matched occurrences reaching its
+        parent that went on with that token (count(node) / count(parent); SuffixDecoding's frequency
+        score): 1.0 where every earlier occurrence continued the same way."""
         query = [int(t) for t in list(query)[-self.max_match :]]
         most, cap = self.max_occurrences, self.max_match
         with self._lock:
@@ -227,7 +234,7 @@ class RetrievalCache:
                 found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
                 if found:
                     return self._continuations(found, max_tokens, max_branches)
-            return [], 0
+            return [], 0, []
 
     # ------------------------------------------------------------------ size, disk
 
@@ -300,19 +307,22 @@ class RetrievalCache:
             start += length
 
     def _continuations(self, found: list[tuple[list[int], int, int]], max_tokens: int,
-                       max_branches: int) -> tuple[list[list[int]], int]:
+                       max_branches: int) -> tuple[list[list[int]], int, list[list[float]]]:
         size = max(match_bucket(m, self.index_ngram) for _, _, m in found)
         trie = Trie()
         for tokens, end, matched in found:
             if match_bucket(matched, self.index_ngram) == size:
                 trie.insert(_follows(tokens, end, max_tokens), "cache", count=True)
-        return _by_frequency(trie, max_branches), size
+        paths = _by_frequency(trie, max_branches)
+        shares = [[trie.counts[n] / (trie.root_count if trie.parents[n] < 0 else trie.counts[trie.parents[n]])
+                   for n in nodes] for nodes in paths]
+        return [[trie.tokens[n] for n in nodes] for nodes in paths], size, shares
 
 
 def _by_frequency(trie: Trie, max_branches: int) -> list[list[int]]:
-    """Up to `max_branches` root-to-leaf paths of `trie`, the most frequent first (compared node by
-    node from the root: the child more continuations took; among equals the first inserted, which is
-    the most recent occurrence)."""
+    """Up to `max_branches` root-to-leaf paths of `trie` (as node lists), the most frequent first
+    (compared node by node from the root: the child more continuations took; among equals the first
+    inserted, which is the most recent occurrence)."""
 
     def path(leaf: int) -> list[int]:
         nodes = []
@@ -323,7 +333,7 @@ def _by_frequency(trie: Trie, max_branches: int) -> list[list[int]]:
 
     leaves = [path(j) for j in range(len(trie)) if j not in trie.children]
     leaves.sort(key=lambda nodes: ([-trie.counts[n] for n in nodes], nodes))
-    return [[trie.tokens[n] for n in nodes] for nodes in leaves[:max_branches]]
+    return leaves[:max_branches]
 
 
 class Retrieval:
@@ -339,6 +349,8 @@ class Retrieval:
         self._key = object()  # this call's rows, apart from other calls' in a shared cache
         # per active row, the source this round's lookup did not propose (scored, then cleared, by `rounds.observe`)
         self.passed_over: dict[int, tuple[list[int], int, str]] = {}
+        # per active row proposing the cache this round, its continuation's shares (`RetrievalCache.lookup_shares`)
+        self.shares: dict[int, list[float]] = {}
 
     def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
         """Bring the cache's copy of each active row up to date; rows no longer active are closed."""
@@ -370,11 +382,13 @@ class Retrieval:
     def match_rows(self, request, rows: list[int]) -> list[tuple[list[int], int, str]]:
         """Per active row: (continuation, match size, source); ([], 0, NGRAM) where nothing matches.
         The source not proposed is kept in `passed_over` (active row -> the same triple), to be scored."""
-        out, self.passed_over = [], {}
+        out, self.passed_over, self.shares = [], {}, {}
         for i, ((tokens, size), row, host) in enumerate(zip(self.ngram.match_rows(request), rows, request.host)):
             found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), 1, row)
             mine, theirs = (tokens, size, NGRAM), (found[0][0] if found[0] else [], found[1], CACHE)
             chosen, other = (theirs, mine) if found[0] and self._better(found[1], size) else (mine, theirs)
+            if chosen is theirs:
+                self.shares[i] = found[2][0]
             out.append(chosen)
             if other[0]:
                 self.passed_over[i] = other
@@ -393,10 +407,11 @@ class Retrieval:
             self.passed_over[0] = (found[0][0], found[1], CACHE)
         return continuations, size, NGRAM
 
-    def _from_cache(self, host: list[int], max_tokens: int, branches: int, row: int) -> tuple[list[list[int]], int]:
+    def _from_cache(self, host: list[int], max_tokens: int, branches: int,
+                    row: int) -> tuple[list[list[int]], int, list[list[float]]]:
         if self.cache is None or max_tokens < 1:
-            return [], 0
-        return self.cache.lookup(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
+            return [], 0, []
+        return self.cache.lookup_shares(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
 
     def _better(self, cache_size: int, ngram_size: int) -> bool:
         return not ngram_size or self.estimate(cache_size, CACHE) > self.estimate(ngram_size, NGRAM)

@@ -128,11 +128,14 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     return proposal, trace
 
 
-def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str) -> list[float]:
-    """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size."""
+def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str,
+                  shares: list[float] | None = None) -> list[float]:
+    """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size,
+    times, for a cached chain, the share of earlier occurrences that went on that way at each token
+    (as a tree's retrieved nodes are priced: `retrieval_reach`)."""
     a, out = state.planner.acceptance.lookup_at(size, source), []
-    for _ in tokens:
-        out.append(a * (out[-1] if out else 1.0))
+    for j in range(len(tokens)):
+        out.append(a * (shares[j] if shares else 1.0) * (out[-1] if out else 1.0))
     return out
 
 
@@ -147,7 +150,8 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
              if state.lookup else [([], 0, NGRAM)] * rows)
     lookups = [(tokens, size) for tokens, size, _ in found]
     trace.match_sizes, trace.match_sources = [size for _, size in lookups], [source for _, _, source in found]
-    reach = [_lookup_reach(state, tokens, size, source) for tokens, size, source in found]
+    shares = state.lookup.shares if state.lookup else {}
+    reach = [_lookup_reach(state, tokens, size, source, shares.get(i)) for i, (tokens, size, source) in enumerate(found)]
     trace.plan = plan = planner.plan(reach, request.max_tokens, state.drafter.prefill_tokens(request.ids.shape[1]), room)
     if not plan.draft:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]

@@ -455,10 +455,10 @@ class PeekingCache(hf_specdec.RetrievalCache):
         super().__init__()
         self.peeked: list[float] = []  # this round's, one per active row (rows are looked up in order)
 
-    def lookup(self, query, max_tokens, max_branches=1, min_match=1, exclude=None):
+    def lookup_shares(self, query, max_tokens, max_branches=1, min_match=1, exclude=None):
         u = float(torch.rand(()))
         self.peeked.append(u)
-        return super().lookup(query, max_tokens, max_branches, min_match, exclude) if u < 0.3 else ([], 0)
+        return super().lookup_shares(query, max_tokens, max_branches, min_match, exclude) if u < 0.3 else ([], 0, [])
 
 
 def peek_at_uniforms(cache: PeekingCache, monkeypatch) -> None:

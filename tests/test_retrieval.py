@@ -25,6 +25,10 @@ def test_the_most_frequent_continuation_of_the_longest_match_comes_first():
     continuations, size = cache.lookup([4, 2, 3], max_tokens=8, max_branches=3)
     assert continuations == [[5, 6, 7, 8, 4], [5, 6, 7, 8, 9], [5, 6, 7, 1, 1]] and size == 2
     assert cache.lookup([2, 3], max_tokens=2)[0] == [[5, 6]]  # max_tokens bounds each continuation
+    # each token's share of the occurrences that reached its parent: 5 6 7 all three, 8 two of three, 4 one of two
+    continuations, size, shares = cache.lookup_shares([4, 2, 3], max_tokens=8, max_branches=2)
+    assert continuations[0] == [5, 6, 7, 8, 4] and shares == [[1, 1, 1, 2 / 3, 1 / 2], [1, 1, 1, 2 / 3, 1 / 2]]
+    assert cache.lookup_shares([42], max_tokens=5) == ([], 0, [])
     # a longer match outranks a shorter one: 9 2 3 occurs nowhere, but 7 8 (size 2) does; 6 7 8 (3) does too
     assert cache.lookup([1, 6, 7, 8], max_tokens=3, max_branches=3) == ([[4], [9]], 3)
     # continuations stop at the end of their sequence; no match across sequences

@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .arguments import OWN_ARGUMENTS, StreamerNotForwardedError, check_arguments, continuous_settings, refuse_dropped_streamer, validate
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, make_rollbackable, new_cache, rollback
-from .config import Costs, SpeculativeConfig
+from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests
 from .planner import CostEstimates, Planner
 from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
@@ -72,7 +72,6 @@ def speculative_generate(
     num_draft_tokens: int | None = None,
     adaptive: bool | None = None,
     ngram: bool | None = None,
-    ngram_max_size: int | None = None,
     ngram_min_size: int | None = None,
     tree: bool | None = None,
     tree_max_nodes: int | None = None,
@@ -207,7 +206,7 @@ def _start(
             retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
         if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
             planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
-        lookup = Retrieval(NgramDrafter(config.ngram_max_size, config.ngram_min_size), retrieval_cache,
+        lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
                            planner.acceptance.lookup_at)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "

@@ -382,7 +382,9 @@ def test_speculative_config_and_bad_values():
         with pytest.raises(ValueError, match=message):
             spec(target, target, max_new_tokens=3, **bad)
     with pytest.raises(ValueError, match="ngram_min_size"):
-        hf_specdec.SpeculativeConfig(ngram_min_size=4, ngram_max_size=3)
+        hf_specdec.SpeculativeConfig(ngram_min_size=4)  # longer than the longest n-gram matched
+    with pytest.raises(ValueError, match="ngram_max_size"):  # a removed setting is named, not ignored
+        spec(target, target, max_new_tokens=3, ngram_max_size=2)
     with pytest.raises(TypeError):
         hf_specdec.SpeculativeConfig(prefill_patience=1.0)  # a removed setting is not silently accepted
     default = hf_specdec.SpeculativeConfig()  # 1-gram matches in tree rounds only; an explicit value everywhere

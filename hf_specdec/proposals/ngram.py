@@ -15,7 +15,7 @@ from typing import Sequence
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..config import SpeculativeConfig
+from ..config import NGRAM_MAX_SIZE, SpeculativeConfig
 from ..host import to_device
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
@@ -59,7 +59,7 @@ class NgramDrafter(Drafter):
 
     def __init__(
         self,
-        max_ngram: int = _DEFAULTS.ngram_max_size,
+        max_ngram: int = NGRAM_MAX_SIZE,
         min_ngram: int = _DEFAULTS.ngram_min_size,
         max_tokens: int = MAX_TOKENS,
         match_cap: int = MATCH_CAP,
@@ -105,7 +105,7 @@ class NgramCandidateGenerator(CandidateGenerator):
 
     def __init__(
         self,
-        max_ngram: int = _DEFAULTS.ngram_max_size,
+        max_ngram: int = NGRAM_MAX_SIZE,
         min_ngram: int = _DEFAULTS.ngram_min_size,
         max_tokens: int = MAX_TOKENS,
     ):

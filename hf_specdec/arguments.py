@@ -210,7 +210,7 @@ REMOVED_SETTINGS = {
        for name in ("draft_cost", "verify_cost", "verify_knee_cost", "verify_curve", "draft_prefill_cost", "price_by_width")},
     **{name: "the planner has no such lever any more (docs/design.md)"
        for name in ("prefill_patience", "ngram_depths", "ngram_max_tokens", "ngram_match_cap", "tree_max_branches")},
-    "ngram_max_size": "lookups match up to hf_specdec.config.NGRAM_MAX_SIZE (3) tokens; 2 instead paid the same",
+    "ngram_max_size": "lookups match up to hf_specdec.config.NGRAM_MAX_SIZE (3) tokens; 2 instead changed nothing",
     "draft_vocab_size": "the reduced-vocabulary draft head was removed (it did not pay on the standard preset)",
     "draft_temperature": "the draft is warped exactly like the target (a setting off by default, never measured to pay); "
                          "a differently warped draft can be passed as candidate_generator=hf_specdec.DraftModelDrafter(...)",

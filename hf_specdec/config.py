@@ -10,8 +10,8 @@ PREFILL_RATIO = 0.35
 
 
 # The longest n-gram a lookup matches (in-row, and the match sizes the planner tells apart). Not a
-# setting: on the standard preset 2 instead of 3 moved the planner's modelled speed by 0.995 greedy and
-# 0.993 sampling (paired geometric means, bf16 table; evals/results/planner/sixth/).
+# setting: on the standard preset 2 instead of 3 changed no output and no round (a lookup follows the
+# occurrence whose match reaches furthest back, whatever n; evals/results/planner/sixth/).
 NGRAM_MAX_SIZE = 3
 
 

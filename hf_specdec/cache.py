@@ -247,7 +247,9 @@ def keep_path(cache: Cache, length: int, path: list[int], nodes: int) -> None:
         for layer in cache.layers:
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
-            source = on.setdefault(layer.keys.device, to_device(columns, layer.keys.device))
+            source = on.get(layer.keys.device)
+            if source is None:  # uploaded once per device, not once per layer
+                source = on[layer.keys.device] = to_device(columns, layer.keys.device)
             # index_select copies the accepted columns out before they are written over (a path's
             # j-th node sits at or after column length + j, so source and destination may overlap)
             layer.keys[:, :, length:kept] = layer.keys.index_select(2, source)

@@ -19,4 +19,5 @@ def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.lon
     tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
-    return tensor.pin_memory().to(device, non_blocking=True)
+    staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()  # never the caller's buffer
+    return staged.to(device, non_blocking=True)

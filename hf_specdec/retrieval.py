@@ -224,9 +224,9 @@ class RetrievalCache:
 
     def lookup_shares(self, query: Sequence[int], max_tokens: int, max_branches: int = 1, min_match: int = 1,
                       exclude: object = None) -> tuple[list[list[int]], int, list[list[float]]]:
-        """`lookup`, and per continuation, per token, the share of the matched occurrences reaching its
-        parent that went on with that token (count(node) / count(parent); SuffixDecoding's frequency
-        score): 1.0 where every earlier occurrence continued the same way."""
+        """`lookup`, and per continuation, per token, the share of the matched occurrences that went on
+        past its parent and did so with that token (SuffixDecoding's frequency score): 1.0 where every
+        earlier occurrence that continued continued the same way."""
         query = [int(t) for t in list(query)[-self.max_match :]]
         most, cap = self.max_occurrences, self.max_match
         with self._lock:
@@ -314,8 +314,10 @@ class RetrievalCache:
             if match_bucket(matched, self.index_ngram) == size:
                 trie.insert(_follows(tokens, end, max_tokens), "cache", count=True)
         paths = _by_frequency(trie, max_branches)
-        shares = [[trie.counts[n] / (trie.root_count if trie.parents[n] < 0 else trie.counts[trie.parents[n]])
-                   for n in nodes] for nodes in paths]
+        # over the occurrences that went on past the parent: one that stopped there (its sequence, an
+        # open row's tokens so far, or max_tokens ran out) says nothing about which way the text goes
+        went_on = {parent: sum(trie.counts[c] for c in children) for parent, children in trie.children.items()}
+        shares = [[trie.counts[n] / went_on[trie.parents[n]] for n in nodes] for nodes in paths]
         return [[trie.tokens[n] for n in nodes] for nodes in paths], size, shares
 
 

@@ -132,7 +132,8 @@ def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str,
                   shares: list[float] | None = None) -> list[float]:
     """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size,
     times, for a cached chain, the share of earlier occurrences that went on that way at each token
-    (as a tree's retrieved nodes are priced: `retrieval_reach`)."""
+    (`RetrievalCache.lookup_shares`; a tree's retrieved nodes get the share of the distinct
+    continuations instead, `retrieval_reach`)."""
     a, out = state.planner.acceptance.lookup_at(size, source), []
     for j in range(len(tokens)):
         out.append(a * (shares[j] if shares else 1.0) * (out[-1] if out else 1.0))

@@ -29,6 +29,11 @@ def test_the_most_frequent_continuation_of_the_longest_match_comes_first():
     continuations, size, shares = cache.lookup_shares([4, 2, 3], max_tokens=8, max_branches=2)
     assert continuations[0] == [5, 6, 7, 8, 4] and shares == [[1, 1, 1, 2 / 3, 1 / 2], [1, 1, 1, 2 / 3, 1 / 2]]
     assert cache.lookup_shares([42], max_tokens=5) == ([], 0, [])
+    # an occurrence that stops (an open row's tokens so far) does not count against the way on
+    rows = RetrievalCache(context=0)
+    rows.open("a"), rows.open("b")
+    rows.extend("a", [2, 3, 5]), rows.extend("b", [2, 3, 5, 6, 7, 8])
+    assert rows.lookup_shares([9, 2, 3], max_tokens=8) == ([[5, 6, 7, 8]], 2, [[1, 1, 1, 1]])
     # a longer match outranks a shorter one: 9 2 3 occurs nowhere, but 7 8 (size 2) does; 6 7 8 (3) does too
     assert cache.lookup([1, 6, 7, 8], max_tokens=3, max_branches=3) == ([[4], [9]], 3)
     # continuations stop at the end of their sequence; no match across sequences

@@ -141,10 +141,10 @@ def _time_forward(model, cache, ids: torch.Tensor, logits: int) -> float:
     from hf_specdec.cache import rollback
 
     base = cache.get_seq_length()
-    _sync(ids.device)
+    sync(ids.device)
     start = time.perf_counter()
     model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=logits)
-    _sync(ids.device)
+    sync(ids.device)
     seconds = time.perf_counter() - start
     rollback([cache], base)
     return seconds
@@ -195,16 +195,17 @@ def _position_seconds(processors: dict[str, object], vocab: int, device, reps: i
     for engine, pick in processors.items():
         logits = (torch.randn(1, vocab, generator=gen) * 3).to(device)
         pick(logits)  # warm-up
-        _sync(logits.device)
+        sync(logits.device)
         start = time.perf_counter()
         for _ in range(reps):
             pick(logits)
-        _sync(logits.device)
+        sync(logits.device)
         out[engine] = (time.perf_counter() - start) / reps
     return out
 
 
-def _sync(device) -> None:
+def sync(device) -> None:
+    """Wait for a CUDA device's queued work (a timing's edges); nothing elsewhere."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
 

@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import REQUIRED, add_options  # noqa: E402
-from costs import CostTable, measure  # noqa: E402
+from costs import CostTable, measure, sync  # noqa: E402
 
 CONFIGS = HERE / "configs"
 TARGET_CONFIG, DRAFT_CONFIG = CONFIGS / "qwen2.5-coder-1.5b-instruct.json", CONFIGS / "qwen2.5-coder-0.5b-instruct.json"
@@ -79,20 +79,16 @@ def batch_grid(model, vocab: int, batches, widths, context: int, reps: int) -> l
             ids = torch.randint(4, vocab, (batch, width), generator=gen).to(model.device)
             times = []
             for _ in range(reps + 1):  # the first is a warm-up
-                _sync(model.device)
+                sync(model.device)
                 start = time.perf_counter()
                 model(input_ids=ids, cache=cache, use_cache=True, logits_to_keep=width)
-                _sync(model.device)
+                sync(model.device)
                 times.append(time.perf_counter() - start)
                 rollback([cache], context)
             row.append(statistics.median(times[1:]))
         out.append(row)
     return out
 
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def describe(table: CostTable, batch: dict) -> str:

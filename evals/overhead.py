@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts
 
 import hf_specdec  # noqa: E402
 from common import MODES, ForwardTimer, add_options  # noqa: E402
+from costs import sync  # noqa: E402
 from tiny import perturbed  # noqa: E402
 
 LIBRARIES = {"hf_specdec": hf_specdec}  # plus "baseline" (hf_specdec at --baseline REV) when asked for
@@ -106,11 +107,6 @@ def fix_assistant_length(draft, k: int) -> None:
 # ---------------------------------------------------------------- timing
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def generate_kwargs(method: str, draft, mode: str, max_new_tokens: int, k: int) -> dict:
     kwargs = dict(max_new_tokens=max_new_tokens, pad_token_id=PAD_ID, **MODES[mode])
     if method == "transformers":
@@ -130,13 +126,13 @@ def run_once(method, target, draft, timers, ids, mode, max_new_tokens, k, seed, 
     for timer in timers.values():
         timer.take()
     torch.manual_seed(seed)
-    _sync(target.device)
+    sync(target.device)
     if profiler is not None:
         profiler.enable()
     start = time.perf_counter()
     try:
         out = target.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        _sync(target.device)
+        sync(target.device)
         wall = time.perf_counter() - start
     finally:
         if profiler is not None:

@@ -381,6 +381,7 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
     (continuous batching: that request fails alone; otherwise the error propagates)."""
     answers, failed, slots = [], {}, verdict.emitted.shape[1]
     no = torch.zeros((), dtype=torch.bool, device=verdict.emitted.device)
+    yes = ~no  # a criterion answering with a Python bool: one of these, no upload per token
     for i, tokens in enumerate(verdict.tokens):
         row = []
         try:
@@ -388,7 +389,7 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
             sequence = torch.cat([before, verdict.emitted[i : i + 1, : len(tokens)]], dim=1)
             for j in range(len(tokens)):
                 stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
-                row.append(stop.all() if isinstance(stop, torch.Tensor) else to_device(bool(stop), no.device, torch.bool))
+                row.append(stop.all() if isinstance(stop, torch.Tensor) else (yes if stop else no))
         except Exception as error:
             if state.requests is None:
                 raise

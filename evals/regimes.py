@@ -20,6 +20,11 @@ from the costs it is given, is replayed once per regime (`evals/replay.py --cost
     python evals/regimes.py table --regime bf16=evals/results/standard/cost_table.json:runs/new-bf16 \\
         --regime accel=evals/results/gpu-handwritten/cost_table.json:runs/new-accel \\
         --fixed runs/fixed-greedy runs/fixed-k2 runs/fixed-k4 runs/fixed-k6 runs/fixed-k8
+    # sampling, paired: every fixed strategy priced on the outputs the planner sampled (plain and
+    # prompt lookup exactly, fixed draft chains in expectation given the output; one forward of each
+    # model per output), so the sample paths' own spread (a prompt's output copied from the prompt,
+    # or not) no longer decides a cell
+    python evals/regimes.py paths --regime h200=evals/results/gpu-h200/cost_table.json:runs/s0,runs/s1 --out paths.md
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import MODES, REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
 from costs import CostTable  # noqa: E402
 
 KS = (2, 4, 6, 8)
@@ -218,6 +223,163 @@ def compare_command(args) -> None:
         Path(args.out).write_text(text + "\n")
 
 
+
+# ---------------------------------------------------------------- fixed strategies on the planner's own sample paths
+
+
+def plain_work(prompt: int, tokens: int) -> dict:
+    """Plain decoding's forwards for `tokens` new tokens: the prompt's encoding, then one step a token."""
+    return {"target": [[prompt, 0]] + [[1, prompt + i] for i in range(tokens - 1)]}
+
+
+def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int], vocab: int, max_new_tokens: int = 64) -> dict:
+    """transformers' prompt lookup's forwards (prompt_lookup_num_tokens=10, as the eval runs it) on an
+    output it would have produced: a retrieved token is kept when it equals the token the target draws
+    there, so given the output its rounds are fixed, in sampling as in greedy decoding. Its own
+    candidate generator proposes them (checked against every recorded run: tests/test_regimes_eval.py)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    sampling = MODES[mode].get("do_sample", False)
+    processors = LogitsProcessorList([TemperatureLogitsWarper(MODES[mode]["temperature"]), TopPLogitsWarper(MODES[mode]["top_p"])]
+                                     if sampling else [])
+    generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=10, max_matching_ngram_size=2,
+                                               max_length=len(prompt) + max_new_tokens, logits_processor=processors,
+                                               vocab_size=vocab)
+    seen, cached, done, forwards = list(prompt), 0, 0, []
+    while done < len(tokens):
+        candidates = generator.get_candidates(torch.tensor([seen]))[0][0, len(seen):].tolist()
+        forwards.append([len(seen) - cached + len(candidates), cached])
+        kept = 0
+        while kept < len(candidates) and done + kept < len(tokens) and candidates[kept] == tokens[done + kept]:
+            kept += 1
+        take = min(kept + 1, len(tokens) - done)
+        cached, seen, done = len(seen) + kept, seen + tokens[done: done + take], done + take
+    return {"target": forwards}
+
+
+@torch.no_grad()
+def acceptance_on_path(target, draft, prompt: list[int], tokens: list[int], window: int | None, mode: str) -> list[float]:
+    """Per output token y_t, P(a fixed draft chain's token there was accepted | the output) =
+    min(p(y_t), q(y_t)) / p(y_t), p and q processed as generation processes them, from one forward of
+    each model over the output (the draft over its window of the prompt, as hf_specdec encodes it).
+    Given the output, the rule's acceptances are independent with these chances: P(draft y and keep
+    it) = min(p(y), q(y)) and P(output y) = p(y)."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    processors = LogitsProcessorList([TemperatureLogitsWarper(MODES[mode]["temperature"]), TopPLogitsWarper(MODES[mode]["top_p"])])
+    ys = torch.tensor(tokens)
+
+    def probs(model, context: list[int]) -> torch.Tensor:
+        logits = model(torch.tensor([context + tokens[:-1]])).logits[0, len(context) - 1:].float()
+        return processors(None, logits).softmax(-1).gather(-1, ys[:, None])[:, 0]
+
+    p, q = probs(target, prompt), probs(draft, prompt[-window:] if window else prompt)
+    return torch.where(p > 0, torch.minimum(p, q) / p.clamp_min(1e-30), torch.zeros_like(p)).tolist()
+
+
+def expected_chain_seconds(prompt: int, window: int | None, accept: list[float], k: int, budget: int, price) -> float:
+    """E[modelled seconds | the output] of hf_specdec with a fixed draft length k (adaptive=False,
+    ngram=False), the output's position t accepted with chance accept[t]: `greedy_chain_work`'s rounds
+    summed over every acceptance pattern by their probabilities (`price(model, width, context)`)."""
+    n, window = len(accept), window or prompt
+    states: dict[tuple[int, bool], float] = {(0, False): 1.0}  # (round start, the last round was full) -> P
+    seconds = 0.0
+    for t in range(n):
+        for full in (False, True):
+            chance = states.pop((t, full), 0.0)
+            if not chance:
+                continue
+            k_round, context = min(k, budget - t - 1), prompt + t
+            if k_round <= 0:
+                seconds += chance * price("target", *([1, context - 1] if t else [prompt, 0]))
+                states[t + 1, full] = states.get((t + 1, full), 0.0) + chance
+                continue
+            if not t:
+                forwards = [("hf", min(prompt, window), 0), ("target", prompt + k_round, 0)]
+            else:
+                forwards = [("hf", 2 if full else 1, context - (2 if full else 1)), ("target", k_round + 1, context - 1)]
+            forwards += [("hf", 1, context + i) for i in range(k_round - 1)]
+            seconds += chance * sum(price(*f) for f in forwards)
+            reach = chance
+            for j in range(k_round + 1):  # j tokens accepted
+                ended = j == k_round or t + j >= n
+                stop = reach if ended else reach * (1 - accept[t + j])
+                if t + j + 1 < n:
+                    states[t + j + 1, j == k_round] = states.get((t + j + 1, j == k_round), 0.0) + stop
+                if ended:
+                    break
+                reach *= accept[t + j]
+    return seconds
+
+
+
+def paths_command(args) -> dict:
+    """Each fixed strategy's modelled time on the very outputs the planner sampled (so the comparison
+    is paired: a sample path that runs off the prompt's text is the same path for every strategy):
+    plain and transformers' prompt lookup exactly (their rounds are fixed by the output), fixed draft
+    chains in expectation given the output (`expected_chain_seconds`)."""
+    from hf_specdec import SpeculativeConfig
+    from hf_specdec.pair import DRAFT, TARGET
+
+    apply_threads(args.threads)
+    records = read_records(Path(args.records))
+    target, draft, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")  # bf16 as loaded, as the replay's
+    by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
+    eos = target.generation_config.eos_token_id
+    eos, vocab = eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    window = SpeculativeConfig().window_for(True)
+    accepts: dict = {}
+    lines, summary = [], {}
+    for spec in args.regime:
+        name, _, rest = spec.partition("=")
+        table_path, _, replay_dir = rest.partition(":")
+        table = CostTable.load(Path(table_path))
+        if "hf" not in table.forwards:
+            table.alias("hf", "bf16")
+        pooled: dict = {}  # (category, prompt) -> strategy -> seconds summed over seeds
+        for r in read_folders(replay_dir):
+            if r["mode"] != "sampling" or not r.get("new_tokens"):
+                continue
+            prompt, tokens, mode = by_id[r["id"]]["input_ids"], r["tokens"], r["mode"]
+            key = (r["id"], tuple(tokens))
+            if key not in accepts:
+                accepts[key] = acceptance_on_path(target, draft, prompt, tokens, window, mode)
+            price = lambda model, width, context: table.modelled_seconds({model: [[width, context]]}, mode, "hf_specdec")  # noqa: E731
+            seconds = {"planner": table.modelled_seconds(r["work"], mode, "hf_specdec"),
+                       "plain": table.modelled_seconds(plain_work(len(prompt), len(tokens)), mode, "transformers"),
+                       "lookup (transformers)": table.modelled_seconds(lookup_work(prompt, tokens, mode, eos, vocab, args.max_new_tokens),
+                                                                       mode, "transformers")}
+            for k in KS:
+                seconds[f"fixed_k{k}"] = expected_chain_seconds(len(prompt), window, accepts[key], k, args.max_new_tokens, price)
+            total = pooled.setdefault((r["category"], r["id"]), {})
+            for strategy, s in seconds.items():
+                total[strategy] = total.get(strategy, 0.0) + s
+        per_category: dict = {}
+        for (category, _), total in pooled.items():
+            for strategy, s in total.items():
+                per_category.setdefault(category, {}).setdefault(strategy, []).append(total["plain"] / s)
+        lines += [f"### {name}, sampling, fixed strategies on the planner's own outputs", "",
+                  "| category | planner | plain | lookup | k = 2 | k = 4 | k = 6 | k = 8 | best fixed | planner / best |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        ratios, planner_medians = [], []
+        for category in sorted(per_category):
+            med = {s: statistics.median(v) for s, v in per_category[category].items()}
+            best = max((s for s in med if s != "planner"), key=med.get)
+            ratio = med["planner"] / med[best]
+            ratios.append(ratio)
+            planner_medians.append(med["planner"])
+            cells = " | ".join(f"{med[s]:.2f}" for s in ["planner", "plain", "lookup (transformers)"] + [f"fixed_k{k}" for k in KS])
+            lines.append(f"| {category} | {cells} | {best} | {ratio:.3f} |")
+            summary.setdefault(name, {})[category] = dict(medians=med, best=best, ratio=ratio)
+        lines += [f"| **geometric mean** | **{geometric_mean(planner_medians):.2f}** | | | | | | | | min **{min(ratios):.3f}** |", ""]
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    return summary
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -240,12 +402,20 @@ def main(argv=None) -> None:
     cmp.add_argument("--old", required=True, help="replay folders of the old code (comma-separated: one per seed)")
     cmp.add_argument("--new", required=True, help="replay folders of the new code, seeds in the same order")
     cmp.add_argument("--out", default=None)
+    pth = sub.add_parser("paths", help="sampling: the planner against fixed strategies on the planner's own outputs (paired)")
+    pth.add_argument("--records", default=str(STANDARD))
+    pth.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
+    pth.add_argument("--max-new-tokens", type=int, default=64)
+    pth.add_argument("--out", default=None, help="write the markdown table here")
+    add_options(pth, "threads")
     args = parser.parse_args(argv)
     if args.command == "simulate":
         apply_threads(args.threads)
         simulate(args)
     elif args.command == "compare":
         compare_command(args)
+    elif args.command == "paths":
+        paths_command(args)
     else:
         table_command(args)
 

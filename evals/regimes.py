@@ -232,17 +232,22 @@ def plain_work(prompt: int, tokens: int) -> dict:
     return {"target": [[prompt, 0]] + [[1, prompt + i] for i in range(tokens - 1)]}
 
 
-def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int], vocab: int, max_new_tokens: int = 64) -> dict:
+def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int], vocab: int, max_new_tokens: int = 64,
+                warpers: tuple[float, float] | None = None) -> dict:
     """transformers' prompt lookup's forwards (prompt_lookup_num_tokens=10, as the eval runs it) on an
     output it would have produced: a retrieved token is kept when it equals the token the target draws
     there, so given the output its rounds are fixed, in sampling as in greedy decoding. Its own
-    candidate generator proposes them (checked against every recorded run: tests/test_regimes_eval.py)."""
+    candidate generator proposes them (checked against every recorded run: tests/test_regimes_eval.py).
+    `warpers`: (temperature, top-p) of a sampled output, where not the mode's."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-    sampling = MODES[mode].get("do_sample", False)
-    processors = LogitsProcessorList([TemperatureLogitsWarper(MODES[mode]["temperature"]), TopPLogitsWarper(MODES[mode]["top_p"])]
-                                     if sampling else [])
+    temperature, top_p = warpers or (MODES[mode].get("temperature"), MODES[mode].get("top_p"))
+    processors = LogitsProcessorList()
+    if MODES[mode].get("do_sample", False):  # as generation builds them: a top-p of 1 adds no warper
+        processors.append(TemperatureLogitsWarper(temperature))
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
     generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=10, max_matching_ngram_size=2,
                                                max_length=len(prompt) + max_new_tokens, logits_processor=processors,
                                                vocab_size=vocab)

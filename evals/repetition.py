@@ -323,6 +323,35 @@ def report(records: list[dict], runs: list[dict], table_paths: dict[str, str], c
     return "\n".join(notes + table_lines(rows, labels)) + "\n", rows
 
 
+def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict[str, CostTable], target,
+                      max_new_tokens: int) -> str:
+    """A markdown table: per workload and method of `folder`'s records, the method's speedup over plain
+    and transformers' prompt lookup's (prompt_lookup_num_tokens=10) on the same outputs, per table."""
+    from regimes import lookup_work
+
+    eos = target.generation_config.eos_token_id
+    eos, vocab = eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    by_id = {(name, p["id"]): p for name, ps in prompts.items() for p in ps}
+    totals: dict = {}  # (workload, method) -> table -> [method s, prompt lookup s, plain s]
+    for r in map(json.loads, open(folder / "records.jsonl")):
+        prompt, workload = by_id.get((r["workload"], r["id"])), WORKLOADS[r["workload"]]
+        if prompt is None or not r["new_tokens"]:
+            continue
+        work = lookup_work(prompt["input_ids"], r["tokens"], MODE, eos, vocab, max_new_tokens, (workload.temperature, workload.top_p))
+        for label, table in tables.items():
+            cell = totals.setdefault((r["workload"], r["method"]), {}).setdefault(label, [0.0, 0.0, 0.0])
+            ours, plain = price(r, table)
+            cell[0], cell[1], cell[2] = cell[0] + ours, cell[1] + table.modelled_seconds(work, MODE, "transformers"), cell[2] + plain
+    labels = list(tables)
+    lines = [f"Speedup over plain sampling on the outputs of `{folder}` ({', '.join(labels)}): the method as run, and "
+             "transformers' prompt lookup on the same outputs", "",
+             "| workload | method | " + " | ".join(f"method ({x}) | prompt lookup ({x})" for x in labels) + " |",
+             "|---|---|" + "---|---|" * len(labels)]
+    for (workload, method), cells in totals.items():
+        lines.append(f"| {workload} | {method} | " + " | ".join(f"{c[2] / c[0]:.2f} | {c[2] / c[1]:.2f}" for c in cells.values()) + " |")
+    return "\n".join(lines) + "\n"
+
+
 # ---------------------------------------------------------------- the script
 
 
@@ -383,6 +412,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
                              "~130-token signature and docstring, so 128 new tokens seldom reach the body) instead of "
                              "the problem's prompt continued, as the HumanEval harness does")
+    parser.add_argument("--lookup-on", default=None, metavar="DIR",
+                        help="no generation: transformers' prompt lookup priced on the outputs of DIR/records.jsonl "
+                             "(its rounds are fixed by the output: evals/regimes.py lookup_work), beside each method there")
     args = parser.parse_args(argv)
     if args.samples < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--samples, --max-new-tokens and --limit must be at least 1")
@@ -396,6 +428,12 @@ def main(argv=None) -> list[dict]:
     tables = {label: load_table(HERE.parent / path) for label, path in paths.items()}
     target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")  # bf16 as loaded, as evals/replay.py
     prompts = workload_prompts(tokenizer, args.workloads, args.limit, args.humaneval_chat)
+    if args.lookup_on:
+        text = lookup_on_outputs(Path(args.lookup_on), prompts, tables, target, args.max_new_tokens)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "lookup.md").write_text(text)
+        print(text)
+        return []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as sink:

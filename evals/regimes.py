@@ -332,7 +332,7 @@ def paths_command(args) -> dict:
     target, draft, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")  # bf16 as loaded, as the replay's
     by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
     eos = target.generation_config.eos_token_id
-    eos, vocab = eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
     window = SpeculativeConfig().window_for(True)
     accepts: dict = {}
     lines, summary = [], {}

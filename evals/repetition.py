@@ -330,7 +330,7 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
     from regimes import lookup_work
 
     eos = target.generation_config.eos_token_id
-    eos, vocab = eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
     by_id = {(name, p["id"]): p for name, ps in prompts.items() for p in ps}
     totals: dict = {}  # (workload, method) -> table -> [method s, prompt lookup s, plain s]
     for r in map(json.loads, open(folder / "records.jsonl")):

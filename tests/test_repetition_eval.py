@@ -3,6 +3,7 @@ sample of a prompt on, the modelled speedup is priced, and pass@k is the unbiase
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -14,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "evals"))
 
 from costs import CostTable  # noqa: E402
-from repetition import pass_at_k, passes, plain_work, program, report, run_all  # noqa: E402
+from regimes import lookup_work  # noqa: E402
+from repetition import lookup_on_outputs, pass_at_k, passes, plain_work, price, program, report, run_all  # noqa: E402
 
 
 def hand_table() -> CostTable:
@@ -28,7 +30,7 @@ def hand_table() -> CostTable:
                      position={"sampling": {"transformers": 0.001, "hf_specdec": 0.002}})
 
 
-def test_a_shared_cache_is_verified_from_the_second_sample_and_the_speedup_is_priced():
+def test_a_shared_cache_is_verified_from_the_second_sample_and_the_speedup_is_priced(tmp_path):
     target = tiny_model("llama", seed=1)
     draft = perturbed(target, 0.5)
     prompts = {"self_consistency": [dict(id="7", input_ids=[1, 5, 2, 7, 9, 4]), dict(id="9", input_ids=[3, 8, 2, 7])]}
@@ -44,6 +46,15 @@ def test_a_shared_cache_is_verified_from_the_second_sample_and_the_speedup_is_pr
     assert "| self_consistency | hf_specdec+cache |" in text
     # plain's work: a prefill, then one token at a time over the growing context
     assert plain_work(6, 3) == {"target": [[6, 0], [1, 6], [1, 7]]}
+    # --lookup-on: transformers' prompt lookup priced on the same outputs, pooled per workload and method
+    (tmp_path / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    text = lookup_on_outputs(tmp_path, prompts, {"hand": hand_table()}, target, 24)
+    ids = {p["id"]: p["input_ids"] for p in prompts["self_consistency"]}
+    lookup = sum(hand_table().modelled_seconds(lookup_work(ids[r["id"]], r["tokens"], "sampling", [], 64, 24, (0.7, 1.0)),
+                                               "sampling", "transformers") for r in cached)
+    plain = sum(price(r, hand_table())[1] for r in cached)
+    ours = sum(price(r, hand_table())[0] for r in cached)
+    assert f"| self_consistency | hf_specdec+cache | {plain / ours:.2f} | {plain / lookup:.2f} |" in text
 
 
 def test_pass_at_k_and_the_program_built_from_an_answer():

@@ -34,8 +34,7 @@ TIMED = 3  # rounds of a width timed before its own mean prices it
 OUTLIER = 2.0  # a round's time counts as at most this many times the curve's prediction
 PRIOR_DRAFT_STEP = 0.4  # c before the first draft step is timed (a 3x smaller draft)
 PRIOR_SLOPE = 0.03  # d per row before anything is timed: memory-bound verification
-# acceptance priors (optimistic, so each source is tried); a retrieval prior weighs one observation
-PRIOR_DRAFT, PRIOR_LOOKUP, PRIOR_WEIGHT = 0.7, 0.8, 1
+PRIOR_DRAFT, PRIOR_LOOKUP = 0.7, 0.8  # acceptance priors (optimistic, so each source is tried)
 BINS, BIN_PRIOR = 10, 2.0  # confidence calibration: bins, pseudo-observations per bin
 PROBE, MAX_PROBE = 8, 64  # rounds without the draft before it is tried again (doubling after a failed try)
 
@@ -148,7 +147,8 @@ class Acceptance:
         self.draft = [PRIOR_DRAFT] * depth  # P(draft token i accepted | the ones before it were)
         self.draft_seen = [0] * depth
         self.pooled = PRIOR_DRAFT  # the same for every depth past the first, pooled: where a depth has no estimate yet
-        self.hits, self.tries = [BIN_PRIOR * (b + 0.5) / BINS for b in range(BINS)], [BIN_PRIOR] * BINS  # calibration: per bin
+        self.hits = [BIN_PRIOR * (b + 0.5) / BINS for b in range(BINS)]  # calibration: accepted per bin
+        self.tries = [BIN_PRIOR] * BINS  # ... and reached per bin
         self.retrieval: dict[str, MatchAcceptance] = {}  # per retrieval source (in-row lookup, the cache)
 
     def draft_at(self, i: int) -> float:
@@ -209,8 +209,9 @@ class MatchAcceptance:
     """One retrieval source's acceptance: per size of the match a continuation follows, and pooled."""
 
     def __init__(self) -> None:
-        self.pooled, self.count = PRIOR_LOOKUP, 0  # retrieved tokens of all match sizes: estimate, observations
-        self.per_size, self.seen = {}, {}  # per match size: estimate, observations
+        self.pooled = PRIOR_LOOKUP  # retrieved tokens, all match sizes
+        self.per_size: dict[int, float] = {}
+        self.seen: dict[int, int] = {}
 
     def at(self, size: int | None) -> float:
         """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
@@ -220,12 +221,12 @@ class MatchAcceptance:
         return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
 
     def observe(self, size: int | None, accepted: bool) -> None:
-        """Running means behind PRIOR_WEIGHT pseudo-observations, then running averages (weight EMA / 2)."""
-        start, n = self.per_size.get(size, self.at(size)), self.seen.get(size, 0)  # a new size: from what was known
-        self.count += 1  # a first miss halves the prior (an average from the start moved it a tenth)
-        self.pooled = _ema(self.pooled, float(accepted), max(EMA / 2, 1 / (self.count + PRIOR_WEIGHT)))
+        self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
         if size:
-            self.per_size[size], self.seen[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 1 + PRIOR_WEIGHT))), n + 1
+            n = self.seen.get(size, 0)
+            start = self.per_size.get(size, self.at(size))
+            self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
+            self.seen[size] = n + 1
 
 
 @dataclass(frozen=True)

@@ -257,8 +257,7 @@ class RetrievalCache:
                 start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
-            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen,
-                           count=self.acceptance.count)
+            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 
@@ -276,7 +275,6 @@ class RetrievalCache:
         cache.acceptance.pooled = float(learned.get("pooled", cache.acceptance.pooled))
         cache.acceptance.per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
         cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
-        cache.acceptance.count = int(learned.get("count", sum(cache.acceptance.seen.values())))
         with cache._lock:
             for tokens in data["sequences"]:
                 cache._add([int(t) for t in tokens])

@@ -14,7 +14,7 @@ import hf_specdec
 from conftest import perturbed, tiny_model
 from hf_specdec import Costs
 from hf_specdec.cache import rollback
-from hf_specdec.planner import EMA, MAX_PROBE, PRIOR_LOOKUP, PROBE, TIMED, Acceptance, CostCurve, MatchAcceptance, Planner
+from hf_specdec.planner import MAX_PROBE, PROBE, TIMED, Acceptance, CostCurve, Planner
 from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup, ngram_match
 from hf_specdec.quantize import quantize_weights
 from hf_specdec.sampling import Prefixes
@@ -168,26 +168,6 @@ def test_lookup_acceptance_is_kept_per_match_size_and_unverified_lookups_are_sco
     assert acceptance.matches().seen[2] == 3 and acceptance.lookup_at(2) != before
     acceptance.score_unverified([], [1, 2], size=2)  # nothing proposed: nothing learned
     assert acceptance.matches().seen[2] == 3
-
-
-def test_a_retrieval_prior_weighs_one_observation_then_estimates_become_running_averages():
-    """The optimistic prior (so a source is tried) is a mean of one pseudo-observation: lookups that
-    keep failing are priced at PRIOR / (n + 1) after n misses, not still above half the prior after five
-    (a fixed weight of EMA / 2 from the start kept a source failing every time in use for a whole reply)."""
-    matches = MatchAcceptance()
-    for n in range(1, 6):
-        matches.observe(1, False)
-        assert matches.pooled == pytest.approx(PRIOR_LOOKUP / (n + 1))
-        assert matches.at(1) == pytest.approx(PRIOR_LOOKUP / (n + 1))
-    assert matches.at(1) < 0.14
-    known = matches.at(2)  # a new size starts from what is known (not counting this observation twice)
-    matches.observe(2, True)  # and moves half way
-    assert matches.at(2) == pytest.approx((known + 1) / 2)
-    for _ in range(200):  # then a running average: the newest observations weigh EMA / 2 at least
-        matches.observe(1, True)
-    before = matches.at(1)
-    matches.observe(1, False)
-    assert matches.at(1) == pytest.approx(before * (1 - EMA / 2))
 
 
 def test_ngram_match_sizes_follow_the_longest_match():

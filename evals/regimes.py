@@ -237,7 +237,7 @@ def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int],
     """transformers' prompt lookup's forwards (prompt_lookup_num_tokens=10, as the eval runs it) on an
     output it would have produced: a retrieved token is kept when it equals the token the target draws
     there, so given the output its rounds are fixed, in sampling as in greedy decoding. Its own
-    candidate generator proposes them (checked against every recorded run: tests/test_regimes_eval.py).
+    candidate generator proposes them (checked: `regimes.py check`, tests/test_regimes_eval.py).
     `warpers`: (temperature, top-p) of a sampled output, where not the mode's."""
     from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
@@ -248,7 +248,7 @@ def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int],
         processors.append(TemperatureLogitsWarper(temperature))
         if top_p < 1.0:
             processors.append(TopPLogitsWarper(top_p))
-    generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos), num_output_tokens=10, max_matching_ngram_size=2,
+    generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos, dtype=torch.long), num_output_tokens=10, max_matching_ngram_size=2,
                                                max_length=len(prompt) + max_new_tokens, logits_processor=processors,
                                                vocab_size=vocab)
     seen, cached, done, forwards = list(prompt), 0, 0, []
@@ -385,6 +385,36 @@ def paths_command(args) -> dict:
     return summary
 
 
+def check_command(args) -> None:
+    """The models of `paths` against recorded runs: transformers' prompt lookup's forwards derived from
+    each recorded output (`lookup_work`), and each fixed-k chain's forwards from its acceptance
+    pattern (`greedy_chain_work`; the pattern read off its target forwards' contexts)."""
+    from hf_specdec import SpeculativeConfig
+    from hf_specdec.pair import DRAFT, TARGET
+
+    records = read_records(Path(args.records))
+    target, _, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")
+    by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
+    eos = target.generation_config.eos_token_id
+    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    lookups = [r for r in records + (read_folders(args.lookup) if args.lookup else []) if r["method"] == "prompt_lookup"]
+    same = sum(lookup_work(by_id[r["id"]]["input_ids"], r["tokens"], r["mode"], eos, vocab, args.max_new_tokens)["target"]
+               == r["work"]["target"] for r in lookups)
+    print(f"prompt lookup: {same} of {len(lookups)} recorded runs derived forward for forward from their outputs")
+    chains = 0
+    for spec in args.fixed:
+        k_text, _, folders = spec.partition("=")
+        k, rows = int(k_text), read_folders(folders)
+        for r in rows:
+            forwards, n = r["work"]["target"], r["new_tokens"]
+            prompt = forwards[0][0] - min(k, args.max_new_tokens - 1)
+            starts = [0] + [context + 1 - prompt for _, context in forwards[1:]] + [n]
+            agree = [a for s, e in zip(starts, starts[1:]) for a in [True] * (e - s - 1) + [False]][:n]
+            chains += greedy_chain_work(prompt, SpeculativeConfig().window_for(True), agree, k, args.max_new_tokens) == r["work"]
+        print(f"fixed k = {k}: {chains} of {len(rows)} recorded runs reproduced from their acceptance patterns")
+        chains = 0
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -413,8 +443,15 @@ def main(argv=None) -> None:
     pth.add_argument("--max-new-tokens", type=int, default=64)
     pth.add_argument("--out", default=None, help="write the markdown table here")
     add_options(pth, "threads")
+    chk = sub.add_parser("check", help="the models of `paths` against recorded prompt-lookup and fixed-k runs")
+    chk.add_argument("--records", default=str(STANDARD))
+    chk.add_argument("--lookup", default=None, help="replay folders of transformers' prompt lookup under other seeds")
+    chk.add_argument("--fixed", nargs="*", default=[], help="K=DIR,DIR,...: sampled fixed-k replay folders")
+    chk.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args(argv)
-    if args.command == "simulate":
+    if args.command == "check":
+        check_command(args)
+    elif args.command == "simulate":
         apply_threads(args.threads)
         simulate(args)
     elif args.command == "compare":

@@ -25,6 +25,8 @@ from the costs it is given, is replayed once per regime (`evals/replay.py --cost
     # model per output), so the sample paths' own spread (a prompt's output copied from the prompt,
     # or not) no longer decides a cell
     python evals/regimes.py paths --regime h200=evals/results/gpu-h200/cost_table.json:runs/s0,runs/s1 --out paths.md
+    # the models `paths` relies on, against recorded prompt-lookup and fixed-k sampling runs
+    python evals/regimes.py check --lookup runs/lookup-s1 --fixed 2=runs/k2-s0 4=runs/k4-s2
 """
 
 from __future__ import annotations

@@ -337,6 +337,9 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
         prompt, workload = by_id.get((r["workload"], r["id"])), WORKLOADS[r["workload"]]
         if prompt is None or not r["new_tokens"]:
             continue
+        if len(prompt["input_ids"]) != r["prompt_tokens"]:
+            raise SystemExit(f"{folder}: {r['id']} was run on a {r['prompt_tokens']}-token prompt, these options build "
+                             f"one of {len(prompt['input_ids'])}: pass the run's own options (--humaneval-chat)")
         work = lookup_work(prompt["input_ids"], r["tokens"], MODE, eos, vocab, max_new_tokens, (workload.temperature, workload.top_p))
         for label, table in tables.items():
             cell = totals.setdefault((r["workload"], r["method"]), {}).setdefault(label, [0.0, 0.0, 0.0])

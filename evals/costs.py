@@ -263,3 +263,18 @@ def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[
                                               target.device)
                       for mode, kwargs in modes.items()}
     return table
+
+
+def load_table(path: Path) -> "CostTable":
+    """A cost table as the replays price with it: a draft not in it (hf_specdec's, as loaded) priced as bf16."""
+    table = CostTable.load(Path(path))
+    if "hf" not in table.forwards:
+        table.alias("hf", "bf16")
+    return table
+
+
+def plain_work(prompt_tokens: int, new_tokens: int) -> dict[str, list[list[int]]]:
+    """Plain decoding's forwards for `new_tokens` tokens: a prefill, then one token at a time."""
+    if new_tokens < 1:
+        return {"target": []}
+    return {"target": [[prompt_tokens, 0]] + [[1, prompt_tokens + i] for i in range(new_tokens - 1)]}

@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import MODES, REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
-from costs import CostTable  # noqa: E402
+from costs import CostTable, load_table, plain_work  # noqa: E402
 
 KS = (2, 4, 6, 8)
 STANDARD = HERE / "results" / "standard" / "records.jsonl"
@@ -151,11 +151,7 @@ def table_command(args) -> dict:
             fixed_rows.setdefault(name.replace("fixed_fixed-", "fixed_"), []).append(r)
     lines, summary = [], {}
     for spec in args.regime:
-        name, _, rest = spec.partition("=")
-        table_path, _, replay_dir = rest.partition(":")
-        table = CostTable.load(Path(table_path))
-        if "hf" not in table.forwards:
-            table.alias("hf", "bf16")
+        name, table, replay_dir = read_regime(spec)
         planner = medians(read_folders(replay_dir), plain, table, "hf_specdec")
         fixed = {n: medians(rows, plain, table, "transformers" if n.startswith("lookup") else "hf_specdec")
                  for n, rows in fixed_rows.items()}
@@ -200,9 +196,7 @@ def compare_command(args) -> None:
     modelled time per token."""
     records = read_records(Path(args.records))
     plain = {(r["mode"], r["id"]): [r] for r in records if r["method"] == "plain"}
-    table = CostTable.load(Path(args.cost_table))
-    if "hf" not in table.forwards:
-        table.alias("hf", "bf16")
+    table = load_table(Path(args.cost_table))
     runs = [[[json.loads(x) for x in open(Path(d) / "replay.jsonl")] for d in spec.split(",")] for spec in (args.old, args.new)]
     if len(runs[0]) != len(runs[1]):
         raise SystemExit(f"--old has {len(runs[0])} folders and --new {len(runs[1])}: one each per seed, in the same order")
@@ -229,9 +223,31 @@ def compare_command(args) -> None:
 # ---------------------------------------------------------------- fixed strategies on the planner's own sample paths
 
 
-def plain_work(prompt: int, tokens: int) -> dict:
-    """Plain decoding's forwards for `tokens` new tokens: the prompt's encoding, then one step a token."""
-    return {"target": [[prompt, 0]] + [[1, prompt + i] for i in range(tokens - 1)]}
+def read_regime(spec: str) -> tuple[str, CostTable, str]:
+    """NAME=COST_TABLE:DIR[,DIR,...] -> (name, the table, the planner's replay folders)."""
+    name, _, rest = spec.partition("=")
+    table_path, _, folders = rest.partition(":")
+    return name, load_table(Path(table_path)), folders
+
+
+def eos_and_vocab(model) -> tuple[list[int], int]:
+    """The model's end-of-sequence ids (a list, empty for none) and its vocabulary size."""
+    eos = model.generation_config.eos_token_id
+    return [] if eos is None else eos if isinstance(eos, list) else [eos], model.config.get_text_config().vocab_size
+
+
+def warpers_of(mode: str, warpers: tuple[float, float] | None = None):
+    """The logits processors generation builds for `mode` (or a sampled call's (temperature, top-p)):
+    none when greedy; a top-p of 1 adds no warper."""
+    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+
+    processors = LogitsProcessorList()
+    if MODES[mode].get("do_sample", False):
+        temperature, top_p = warpers or (MODES[mode]["temperature"], MODES[mode]["top_p"])
+        processors.append(TemperatureLogitsWarper(temperature))
+        if top_p < 1.0:
+            processors.append(TopPLogitsWarper(top_p))
+    return processors
 
 
 def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int], vocab: int, max_new_tokens: int = 64,
@@ -241,17 +257,10 @@ def lookup_work(prompt: list[int], tokens: list[int], mode: str, eos: list[int],
     there, so given the output its rounds are fixed, in sampling as in greedy decoding. Its own
     candidate generator proposes them (checked: `regimes.py check`, tests/test_regimes_eval.py).
     `warpers`: (temperature, top-p) of a sampled output, where not the mode's."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
     from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
 
-    temperature, top_p = warpers or (MODES[mode].get("temperature"), MODES[mode].get("top_p"))
-    processors = LogitsProcessorList()
-    if MODES[mode].get("do_sample", False):  # as generation builds them: a top-p of 1 adds no warper
-        processors.append(TemperatureLogitsWarper(temperature))
-        if top_p < 1.0:
-            processors.append(TopPLogitsWarper(top_p))
     generator = PromptLookupCandidateGenerator(eos_token_id=torch.tensor(eos, dtype=torch.long), num_output_tokens=10, max_matching_ngram_size=2,
-                                               max_length=len(prompt) + max_new_tokens, logits_processor=processors,
+                                               max_length=len(prompt) + max_new_tokens, logits_processor=warpers_of(mode, warpers),
                                                vocab_size=vocab)
     seen, cached, done, forwards = list(prompt), 0, 0, []
     while done < len(tokens):
@@ -272,9 +281,7 @@ def acceptance_on_path(target, draft, prompt: list[int], tokens: list[int], wind
     each model over the output (the draft over its window of the prompt, as hf_specdec encodes it).
     Given the output, the rule's acceptances are independent with these chances: P(draft y and keep
     it) = min(p(y), q(y)) and P(output y) = p(y)."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
-
-    processors = LogitsProcessorList([TemperatureLogitsWarper(MODES[mode]["temperature"]), TopPLogitsWarper(MODES[mode]["top_p"])])
+    processors = warpers_of(mode)
     ys = torch.tensor(tokens)
 
     def probs(model, context: list[int]) -> torch.Tensor:
@@ -333,17 +340,12 @@ def paths_command(args) -> dict:
     records = read_records(Path(args.records))
     target, draft, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")  # bf16 as loaded, as the replay's
     by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
-    eos = target.generation_config.eos_token_id
-    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    eos, vocab = eos_and_vocab(target)
     window = SpeculativeConfig().window_for(True)
     accepts: dict = {}
     lines, summary = [], {}
     for spec in args.regime:
-        name, _, rest = spec.partition("=")
-        table_path, _, replay_dir = rest.partition(":")
-        table = CostTable.load(Path(table_path))
-        if "hf" not in table.forwards:
-            table.alias("hf", "bf16")
+        name, table, replay_dir = read_regime(spec)
         pooled: dict = {}  # (category, prompt) -> strategy -> seconds summed over seeds
         for r in read_folders(replay_dir):
             if r["mode"] != "sampling" or not r.get("new_tokens"):
@@ -397,8 +399,7 @@ def check_command(args) -> None:
     records = read_records(Path(args.records))
     target, _, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")
     by_id = {p["id"]: p for p in load_prompts(tokenizer, sorted({r["category"] for r in records}), None, "all")}
-    eos = target.generation_config.eos_token_id
-    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    eos, vocab = eos_and_vocab(target)
     lookups = [r for r in records + (read_folders(args.lookup) if args.lookup else []) if r["method"] == "prompt_lookup"]
     same = sum(lookup_work(by_id[r["id"]]["input_ids"], r["tokens"], r["mode"], eos, vocab, args.max_new_tokens)["target"]
                == r["work"]["target"] for r in lookups)

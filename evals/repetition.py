@@ -60,7 +60,7 @@ import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain,
 )
-from costs import CostTable  # noqa: E402
+from costs import CostTable, load_table, plain_work  # noqa: E402
 from run_eval import PRESETS  # noqa: E402
 
 MODE = "sampling"  # the cost table's row that prices positions and pins hf_specdec's costs
@@ -87,25 +87,11 @@ WORKLOADS = {
 # ---------------------------------------------------------------- pricing
 
 
-def plain_work(prompt_tokens: int, new_tokens: int) -> dict[str, list[list[int]]]:
-    """Plain decoding's forwards for `new_tokens` tokens: a prefill, then one token at a time."""
-    if new_tokens < 1:
-        return {"target": []}
-    return {"target": [[prompt_tokens, 0]] + [[1, prompt_tokens + i] for i in range(new_tokens - 1)]}
-
-
 def price(record: dict, table: CostTable) -> tuple[float, float]:
     """(hf_specdec's modelled seconds, plain's modelled seconds for the same number of new tokens)."""
     ours = table.modelled_seconds(record["work"], MODE, "hf_specdec")
     plain = table.modelled_seconds(plain_work(record["prompt_tokens"], record["new_tokens"]), MODE, "transformers")
     return ours, plain
-
-
-def load_table(path: Path) -> CostTable:
-    table = CostTable.load(path)
-    if "hf" not in table.forwards:  # as evals/replay.py: the draft as loaded priced as bf16
-        table.alias("hf", "bf16")
-    return table
 
 
 # ---------------------------------------------------------------- pass@k
@@ -327,10 +313,9 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
                       max_new_tokens: int) -> str:
     """A markdown table: per workload and method of `folder`'s records, the method's speedup over plain
     and transformers' prompt lookup's (prompt_lookup_num_tokens=10) on the same outputs, per table."""
-    from regimes import lookup_work
+    from regimes import eos_and_vocab, lookup_work
 
-    eos = target.generation_config.eos_token_id
-    eos, vocab = [] if eos is None else eos if isinstance(eos, list) else [eos], target.config.get_text_config().vocab_size
+    eos, vocab = eos_and_vocab(target)
     by_id = {(name, p["id"]): p for name, ps in prompts.items() for p in ps}
     totals: dict = {}  # (workload, method) -> table -> [method s, prompt lookup s, plain s]
     for r in map(json.loads, open(folder / "records.jsonl")):

@@ -48,7 +48,8 @@ sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
 from common import add_options, apply_threads, geometric_mean, load_pair  # noqa: E402
-from repetition import DEFAULT_TABLE, MODE, WORKLOADS, load_table, workload_prompts  # noqa: E402
+from costs import load_table  # noqa: E402
+from repetition import DEFAULT_TABLE, MODE, WORKLOADS, workload_prompts  # noqa: E402
 
 from hf_specdec.proposals.ngram import MAX_TOKENS, NgramDrafter, ngram_match  # noqa: E402
 

@@ -96,10 +96,13 @@ def test_given_the_output_a_drafted_token_was_kept_with_chance_min_p_q_over_p():
     keep = torch.rand(n, generator=gen) < (p[x] / q[x]).clamp(max=1)
     residual = (p - q).clamp(min=0)
     y = torch.where(keep, x, torch.multinomial(residual / residual.sum(), n, replacement=True, generator=gen))
+    unconditional = torch.minimum(p, q).sum().item()  # the broken variant: the chance not given the output
     for token in range(6):
         drawn = y == token
         assert drawn.sum() > 8000
         assert keep[drawn].float().mean().item() == pytest.approx((torch.minimum(p, q)[token] / p[token]).item(), abs=0.01)
+    # which this test tells apart: it is off by more than 0.05 at some token, 5x the tolerance
+    assert max(abs(keep[y == t].float().mean().item() - unconditional) for t in range(6)) > 0.05
 
 
 @pytest.mark.parametrize("mode", ["greedy", "sampling"])

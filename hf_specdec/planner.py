@@ -2,21 +2,23 @@
 
 Units: a target forward over one new token costs 1. Three parts (docs/design.md#the-planner):
 
-* `CostCurve`: a target forward over w new tokens at the batch's row count, a draft step (c), the draft's encoding of
-  a prompt token. Pinned (`Costs`), or measured online: each width's running mean once timed `TIMED` times, a line
-  through those means for the others, before that a slope d0 from the prompt's encoding and the first plain step.
-* `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it were), and its
-  confidence calibrated against what the target accepted; per retrieval source (`MatchAcceptance`), per size of the
-  match a retrieved token follows, from lookups verified and those scored against the output.
-* `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted)) are taken best
-  first and the prefix with the most expected tokens per unit of cost is kept (`best_nodes`: one row widens its
-  forward by a column a node, a batch by its longest chain). The draft runs when its planned chain (`draft_length`;
-  a cold one also pays its prefill, spread over what it is expected to draft: `_cold`) beats retrieval; `stop_rule`
-  keeps token j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
+* `CostCurve`: a target forward over w new tokens at the batch's row count, a draft step (c), the
+  draft's encoding of a prompt token. Pinned (`Costs`), or measured online: each width's running mean
+  once timed `TIMED` times, a least-squares line through those means for the others, and before that
+  a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
+* `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
+  were), and its confidence calibrated against what the target accepted; per retrieval source
+  (`MatchAcceptance`), per match size, from lookups verified and those scored against the output.
+* `Planner`: one rule. Candidate nodes with their reach (P(the node and its ancestors are accepted))
+  are taken best first and the prefix with the most expected tokens per unit of cost is kept
+  (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
+  draft runs when its planned chain (`draft_length`; a cold draft also pays its prefill, spread over
+  what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
+  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
 
-Exactness does not depend on any of this: every decision is a function of the past rounds and of the draft's own
-tokens before the one decided on, never of the uniforms that verify them. Measured costs come from wall time, so
-seeded runs repeat only with `costs=` pinned. Pure Python, host numbers only.
+Exactness does not depend on any of this: every decision is a function of the past rounds and of the
+draft's own tokens before the one decided on, never of the uniforms that verify them. Measured costs
+come from wall time, so seeded runs repeat only with `costs=` pinned. Pure Python, host numbers only.
 """
 
 from __future__ import annotations
@@ -24,8 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .config import NGRAM_MAX_SIZE, PREFILL_RATIO, Costs
-from .proposals.tree import match_bucket
+from .config import PREFILL_RATIO, Costs
 from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
@@ -168,9 +169,9 @@ class Acceptance:
         b = min(max(int(confidence * BINS), 0), BINS - 1)
         return self.hits[b] / self.tries[b]
 
-    def lookup_at(self, size: int | None, source: str = NGRAM, depth: int = 0) -> float:
-        """The acceptance of the token at `depth` of a continuation `source` retrieved after a `size`-token match."""
-        return self.matches(source).at(size, depth)
+    def lookup_at(self, size: int | None, source: str = NGRAM) -> float:
+        """The acceptance of a token `source` retrieved after a match of `size` tokens."""
+        return self.matches(source).at(size)
 
     def matches(self, source: str = NGRAM) -> "MatchAcceptance":
         return self.retrieval.setdefault(source, MatchAcceptance())  # at the prior when first asked
@@ -191,40 +192,36 @@ class Acceptance:
                 self.hits[b] += float(i < accepted)
                 self.tries[b] += 1
 
-    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM, depth: int = 0) -> None:
-        """The token at `depth` of a continuation `source` retrieved, verified (or scored against the output)."""
-        self.matches(source).observe(size, accepted, depth)
+    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM) -> None:
+        """One token `source` retrieved, reached by verification (or scored against the emitted tokens)."""
+        self.matches(source).observe(size, accepted)
 
     def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None,
                          source: str = NGRAM) -> None:
         """A continuation the round did not verify, against the tokens it emitted (unbiased: see the module)."""
-        for depth, (mine, actual) in enumerate(zip(proposed, emitted)):
-            self.observe_lookup(size, mine == actual, source, depth)
+        for mine, actual in zip(proposed, emitted):
+            self.observe_lookup(size, mine == actual, source)
             if mine != actual:
                 break
 
 
 class MatchAcceptance:
-    """One retrieval source's acceptance per size of the match a token follows, and pooled. Token d of a continuation
-    after an s-token match follows an (s + d)-token match once the d before it are kept, and is counted so: after one
-    token, the first is kept about 0.2 of the time, the later ones far more often (evals/results/lookup-depth/)."""
+    """One retrieval source's acceptance: per size of the match a continuation follows, and pooled."""
 
     def __init__(self) -> None:
         self.pooled = PRIOR_LOOKUP  # retrieved tokens, all match sizes
-        self.per_size: dict[int, float] = {}  # per size of the match: the estimate, and observations
+        self.per_size: dict[int, float] = {}
         self.seen: dict[int, int] = {}
 
-    def at(self, size: int | None, depth: int = 0) -> float:
+    def at(self, size: int | None) -> float:
         """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
-        size = match_bucket(size + depth, NGRAM_MAX_SIZE) if size and depth else size
         if size in self.per_size:
             return self.per_size[size]
         shorter = [s for s in self.per_size if size and s < size]
         return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
 
-    def observe(self, size: int | None, accepted: bool, depth: int = 0) -> None:
+    def observe(self, size: int | None, accepted: bool) -> None:
         self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
-        size = match_bucket(size + depth, NGRAM_MAX_SIZE) if size and depth else size
         if size:
             n = self.seen.get(size, 0)
             start = self.per_size.get(size, self.at(size))
@@ -253,6 +250,10 @@ class Planner:
         self.without_draft = 0  # rounds since the draft model last ran
         self.probe_wait = PROBE
         self.retrieval_won, self.compared = 0.0, 0.0  # rounds where retrieval beat a warm draft, of those compared
+
+    @property
+    def rows(self) -> int:
+        return self.curve.rows
 
     @property
     def measuring(self) -> bool:
@@ -291,7 +292,7 @@ class Planner:
     def draft_length(self, most: int, prefill: int = 0, remaining: int = 0) -> tuple[int, float]:
         """(k, rate): the draft length with the best expected tokens per unit of cost for the batch, its
         prefill spread over what it is expected to draft (`_cold`); (0, 0.0) when it cannot draft."""
-        rows, c = self.curve.rows, self.curve.draft_step
+        rows, c = self.rows, self.curve.draft_step
         best, best_rate, gain = 0, 0.0, 0.0
         for k, p in enumerate(self.acceptance.draft_reach(most), start=1):
             gain += p
@@ -305,7 +306,7 @@ class Planner:
         if not prefill:
             return rate
         share = self.retrieval_won / (self.compared + 2.0)  # two pseudo-rounds in which retrieval lost
-        drafted = max(1.0, remaining * self.curve.rows * (1 - share))
+        drafted = max(1.0, remaining * self.rows * (1 - share))
         return drafted / (drafted / rate + self.curve.prefill(prefill))
 
     def _with_draft(self, retrieved: list[list[float]], k: int, merge: bool, most: int | None) -> float:
@@ -365,7 +366,7 @@ class Planner:
         draft_rate = self._cold(warm, prefill, remaining)
         if draft_rate > rate:
             return RoundPlan(k, [[] for _ in retrieved], draft_rate)
-        plain = self.curve.rows / self.curve.verify_price(1)
+        plain = self.rows / self.curve.verify_price(1)
         if self.without_draft >= self.probe_wait and draft_rate <= plain and not prefill:
             return RoundPlan(max(1, k), [[] for _ in retrieved], draft_rate, probe=True)
         return RoundPlan(0, nodes, rate)
@@ -380,7 +381,7 @@ class Planner:
             self.acceptance.observe_draft(k, n, hit, None if confidences is None else confidences[r], weight)
         if not self.adaptive:
             return
-        pays = self.draft_length(self.max_draft)[1] > self.curve.rows / self.curve.verify_price(1)
+        pays = self.draft_length(self.max_draft)[1] > self.rows / self.curve.verify_price(1)
         if pays:
             self.probe_wait = PROBE
         elif probe:

@@ -19,7 +19,6 @@ reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds
 from __future__ import annotations
 
 import dataclasses
-import functools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -131,13 +130,13 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
 
 def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str,
                   shares: list[float] | None = None) -> list[float]:
-    """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size
-    and each token's depth, times, for a cached chain, the share of earlier occurrences that went on that way at each token
+    """P(a retrieved chain's tokens 1..i all accepted), at its source's acceptance for its match size,
+    times, for a cached chain, the share of earlier occurrences that went on that way at each token
     (`RetrievalCache.lookup_shares`; a tree's retrieved nodes get the share of the distinct
     continuations instead, `retrieval_reach`)."""
-    at, out = state.planner.acceptance.lookup_at, []
+    a, out = state.planner.acceptance.lookup_at(size, source), []
     for j in range(len(tokens)):
-        out.append(at(size, source, j) * (shares[j] if shares else 1.0) * (out[-1] if out else 1.0))
+        out.append(a * (shares[j] if shares else 1.0) * (out[-1] if out else 1.0))
     return out
 
 
@@ -229,7 +228,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     retrieved = Trie()
     for continuation in continuations:
         retrieved.insert(continuation, NGRAM, count=True)
-    acceptance = functools.partial(planner.acceptance.lookup_at, size, source)  # by depth
+    acceptance = planner.acceptance.lookup_at(size, source)
     reach = retrieval_reach(retrieved, acceptance)
     prefill = state.drafter.prefill_tokens(request.ids.shape[1])
     trace.plan = plan = planner.plan([reach], request.max_tokens, prefill, room, most=most, merge=True)
@@ -433,7 +432,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         if source == NGRAM:
             size, origin = _match(trace, i)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(size, j < accepted[i], origin, j)
+                planner.acceptance.observe_lookup(size, j < accepted[i], origin)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -455,8 +454,8 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     else:
         planner.observe_without_draft()
     size, source = _match(trace, 0)
-    for depth, hit in tree.retrieval_events(path):
-        planner.acceptance.observe_lookup(size, hit, source, depth)
+    for hit in tree.retrieval_events(path):
+        planner.acceptance.observe_lookup(size, hit, source)
 
 
 def _match(trace: Trace, i: int) -> tuple[int | None, str]:

@@ -91,7 +91,7 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert seen[2].tolist() == [True, True, True, False, False, False]
     assert seen[4].tolist() == [False, False, False, True, True, False]
     # estimates: draft nodes by their own acceptance, retrieved ones by g * share, behind a draft sibling
-    reach = retrieval_reach(trie, acceptance=lambda depth: 0.5, draft_acceptance={0: 0.8, 1: 0.5})
+    reach = retrieval_reach(trie, acceptance=0.5, draft_acceptance={0: 0.8, 1: 0.5})
     assert reach[0] == pytest.approx(0.8) and reach[1] == pytest.approx(0.4)
     assert reach[3] == pytest.approx(0.5 * 1 / 3 * (1 - 0.8))  # sibling of the draft's first token
     assert reach[4] == pytest.approx(reach[3] * 0.5)
@@ -114,8 +114,8 @@ def test_tree_shape_helpers():
     tree = Tree(parents=[-1, 0, 1, -1, 3, 0], chain=2, retrieved=[True, False, False, True, True, True])
     assert tree.chain_accepted([0, 1]) == 2 and tree.chain_accepted([0, 5]) == 1 and tree.chain_accepted([3, 4]) == 0
     # root: retrieved children 0, 3 -> went on through 0 (retrieved); node 0: children 1 (not), 5 (retrieved) -> 1
-    assert tree.retrieval_events([0, 1]) == [(0, True), (1, False)]
-    assert tree.retrieval_events([]) == [(0, False)]
+    assert tree.retrieval_events([0, 1]) == [True, False]
+    assert tree.retrieval_events([]) == [False]
     # the draft's first forward proposed node 0 (its token) and the runner-up node 3 beside it (not retrieved)
     tree = Tree(parents=[-1, 0, -1, -1], chain=2, retrieved=[False, False, True, False])
     assert tree.from_draft(0) and tree.from_draft(1) and tree.from_draft(3) and not tree.from_draft(2)

@@ -92,16 +92,16 @@ class Tree:
         retrieval proposed). For the walk's first node: whether the draft's first forward paid."""
         return node < self.chain or not self.retrieved[node]
 
-    def retrieval_events(self, path: list[int]) -> list[tuple[int, bool]]:
+    def retrieval_events(self, path: list[int]) -> list[bool]:
         """Per node the walk reached (the root, then each accepted node) that has retrieved children:
-        its children's depth, and whether the walk went on through one of them."""
+        whether the walk went on through one of them."""
         children: dict[int, list[int]] = {}
         for j, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(j)
         out = []
         for step, node in enumerate([-1] + path):
             if any(self.retrieved[c] for c in children.get(node, ())):
-                out.append((step, step < len(path) and self.retrieved[path[step]]))
+                out.append(step < len(path) and self.retrieved[path[step]])
         return out
 
 

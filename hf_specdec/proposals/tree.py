@@ -24,7 +24,7 @@ taken best first while they raise the round's expected tokens per unit of cost.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
@@ -152,12 +152,12 @@ def longest_matches(host: list[int], starts: list[int], n: int, max_ngram: int, 
 
 def retrieval_reach(
     trie: Trie,
-    acceptance: Callable[[int], float],
+    acceptance: float,
     draft_acceptance: dict[int, float] | None = None,
     sibling_acceptance: dict[int, float] | None = None,
 ) -> list[float]:
-    """For every node, an estimate of P(verification accepts it): a retrieved node at depth d is
-    accepted with the running acceptance of retrievals `acceptance(d)` times the share of continuations that
+    """For every node, an estimate of P(verification accepts it): a retrieved node is accepted with
+    the running acceptance of retrievals `acceptance` times the share of continuations that
     took it there (count(node) / count(parent)). When its parent's first child is a draft-model node
     that the target accepts with probability a (`draft_acceptance`), a retrieved sibling is only
     reached when the draft node is not accepted: its estimate is scaled by (1 - a). Draft nodes get
@@ -165,22 +165,20 @@ def retrieval_reach(
     `sibling_acceptance` (P(accepted | parent reached))."""
     draft_acceptance, sibling_acceptance = draft_acceptance or {}, sibling_acceptance or {}
     reach: list[float] = []
-    depth: list[int] = []
     for j, parent in enumerate(trie.parents):
         above = 1.0 if parent < 0 else reach[parent]
-        depth.append(0 if parent < 0 else depth[parent] + 1)
         if trie.origins[j] == DRAFT:
-            reach.append(above * draft_acceptance.get(j, acceptance(depth[j])))
+            reach.append(above * draft_acceptance.get(j, acceptance))
             continue
         if trie.origins[j] == SIBLING:
             reach.append(above * sibling_acceptance.get(j, 0.0))
             continue
         total = trie.root_count if parent < 0 else trie.counts[parent]
         share = trie.counts[j] / total if total else 0.0
-        estimate = above * acceptance(depth[j]) * share
+        estimate = above * acceptance * share
         first = trie.children[parent][0]
         if first != j and trie.origins[first] == DRAFT:
-            estimate *= 1.0 - draft_acceptance.get(first, acceptance(depth[j]))
+            estimate *= 1.0 - draft_acceptance.get(first, acceptance)
         reach.append(estimate)
     return reach
 

@@ -44,12 +44,13 @@ def _ema(old: float, new: float, weight: float) -> float:
 
 
 class CostCurve:
-    """Prices in target one-token steps at the current row count: pinned, or measured online."""
+    """Prices in target one-token steps at the current row count: pinned, or measured online, where a
+    forward is timed by the tokens it feeds (rows x width), so what one row count taught prices another."""
 
     def __init__(self, pinned: Costs | None, rows: int = 1):
         self.pinned, self.rows = pinned, rows
-        self.seconds: dict[tuple[int, int], float] = {}  # (rows, width) -> running mean seconds
-        self.seen: dict[tuple[int, int], int] = {}
+        self.seconds: dict[int, float] = {}  # new tokens fed (rows x width) -> running mean seconds
+        self.seen: dict[int, int] = {}
         self.draft_ratio: float | None = None  # c as timed: draft step over the target's step
         self.slope0: float | None = None  # d0, from the prompt's encoding and one step
         self.prompt: tuple[float, int] = (0.0, 0)  # the target's prompt encoding: seconds, columns
@@ -60,30 +61,28 @@ class CostCurve:
         """True while the first two rounds (the prompt's encoding, one step) are timed for d0."""
         return self.pinned is None and self.slope0 is None and self.rounds < 2
 
-    def _means(self) -> dict[int, float]:
-        return {w: s for (r, w), s in self.seconds.items() if r == self.rows and self.seen[r, w] >= 1}
-
     def _line(self) -> tuple[float, float] | None:
-        """(a step's seconds, d): least squares through the widths' means; one width: the prior slope."""
-        means = self._means()
+        """(a step's seconds, d) at the current row count: least squares through the means over tokens
+        fed; one token count: the prior slope."""
+        means, rows = self.seconds, self.rows
         if not means:
             return None
-        prior = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
+        prior = PRIOR_SLOPE * rows if self.slope0 is None else self.slope0
         if len(means) == 1:
-            (w, s), = means.items()
-            return s / (1 + prior * (w - 1)), prior
+            (x, s), = means.items()
+            return s / (1 + prior * (x / rows - 1)), prior
         mx = sum(means) / len(means)
         my = sum(means.values()) / len(means)
-        slope = sum((w - mx) * (s - my) for w, s in means.items()) / sum((w - mx) ** 2 for w in means)
-        t1 = my - slope * (mx - 1)
-        if t1 <= 0:
-            return my / (1 + prior * (mx - 1)), prior
-        return t1, min(1.0, max(0.0, slope / t1))
+        slope = sum((x - mx) * (s - my) for x, s in means.items()) / sum((x - mx) ** 2 for x in means)
+        step = my - slope * (mx - rows)
+        if step <= 0:
+            return my / (1 + prior * (mx / rows - 1)), prior
+        return step, min(1.0, max(0.0, slope * rows / step))
 
     def step_seconds(self) -> float | None:
         """A one-token forward's seconds: its own running mean once timed, else the line's intercept."""
-        if self.seen.get((self.rows, 1), 0) >= TIMED:
-            return self.seconds[self.rows, 1]
+        if self.seen.get(self.rows, 0) >= TIMED:
+            return self.seconds[self.rows]
         line = self._line()
         return None if line is None else line[0]
 
@@ -95,8 +94,8 @@ class CostCurve:
         if line is None:
             slope = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
             return 1.0 + slope * (width - 1)
-        if self.seen.get((self.rows, width), 0) >= TIMED:
-            return self.seconds[self.rows, width] / self.step_seconds()
+        if self.seen.get(self.rows * width, 0) >= TIMED:
+            return self.seconds[self.rows * width] / self.step_seconds()
         return 1.0 + line[1] * (width - 1)
 
     @property
@@ -129,7 +128,7 @@ class CostCurve:
         step = self.step_seconds()
         if step:  # a stalled round (another process, a collection) moves the estimates a little
             seconds = min(seconds, OUTLIER * step * self.verify_price(width))
-        key = (self.rows, width)
+        key = self.rows * width
         n = self.seen.get(key, 0)
         self.seconds[key] = _ema(self.seconds.get(key, seconds), seconds, max(EMA, 1 / (n + 1)))
         self.seen[key] = n + 1

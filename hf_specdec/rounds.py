@@ -19,6 +19,8 @@ reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -166,10 +168,16 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         return chain
     # the stop rule already ended a chain drafted token by token; a planned one is cut by it now
     drafted = chain.num_tokens if stopped else planner.stopped_length(chain.confidences, request.max_tokens)
-    retrieved = [tokens[: len(planner.best_nodes([r])[0][0])] if lookup else None
-                 for (tokens, _), r, lookup in zip(lookups, reach, use_lookup)]
     if not any(use_lookup):
         return chain.first([drafted] * rows)
+    # the lookup rows' nodes are chosen with the drafted chains, for the batch: a lookup longer than
+    # the drafted chains widens every row's forward, and pays only if the batch gains by it
+    calibrated = [list(itertools.accumulate(map(planner.acceptance.calibrated, c[:drafted]), operator.mul))
+                  for c in chain.confidences]
+    keep = [[] if lookup else list(range(drafted)) for lookup in use_lookup]
+    nodes = planner.best_nodes([r if lookup else c for r, c, lookup in zip(reach, calibrated, use_lookup)],
+                               keep=keep)[0]
+    retrieved = [tokens[: len(n)] if lookup else None for (tokens, _), n, lookup in zip(lookups, nodes, use_lookup)]
     return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
 
 

@@ -134,10 +134,25 @@ def test_each_width_is_priced_by_its_own_time_once_timed_and_the_line_prices_the
     # c: a running ratio of the draft's step to the target's
     curve.observe(width=5, seconds=0.09, draft_steps=4, draft_seconds=0.12)
     assert curve.draft_step == pytest.approx(0.3, rel=0.15)
-    # rows: prices are kept per batch size (a batch's forward is dearer), c stays
-    curve.rows = 4
-    assert curve.verify_price(5) == pytest.approx(1 + 4 * 0.03 * 4 if curve.slope0 is None else 1 + 4 * curve.slope0)
+    # rows: a 2-row step feeds the tokens a 1-row forward over 2 does, and is priced by its time; c stays
+    curve.rows = 2
+    assert curve.step_seconds() == pytest.approx(0.12, rel=0.1) and curve.verify_price(1) == 1.0
     assert curve.draft_step == pytest.approx(0.3, rel=0.15)
+
+
+def test_what_one_row_count_measured_prices_another():
+    """A forward is timed by the tokens it feeds: 8 rows' rounds price a 4-row batch's widths (rows
+    finish and leave), where keyed by (rows, width) the curve knew nothing and fell back to d0."""
+    seconds = lambda tokens: 0.17 + 0.006 * tokens  # noqa: E731  (the shape measured at 8 rows on a Xeon)
+    curve = CostCurve(None, rows=8)
+    curve.observe(width=1, seconds=2.0, columns=100)
+    curve.observe(width=1, seconds=seconds(8))
+    for width in (2, 3, 6):
+        curve.observe(width=width, seconds=seconds(8 * width))
+    assert curve.verify_price(6) == pytest.approx(seconds(48) / seconds(8))
+    curve.rows = 4
+    assert curve.verify_price(6) == pytest.approx(seconds(24) / seconds(4))
+    assert curve.step_seconds() == pytest.approx(seconds(4))
 
 
 # ---------------------------------------------------------------- the acceptance model

@@ -3,9 +3,10 @@
 Units: a target forward over one new token costs 1. Three parts (docs/design.md#the-planner):
 
 * `CostCurve`: a target forward over w new tokens at the batch's row count, a draft step (c), the
-  draft's encoding of a prompt token. Pinned (`Costs`), or measured online: each width's running mean
-  once timed `TIMED` times, a least-squares line through those means for the others, and before that
-  a slope d0 from the prompt's encoding and the first plain step (d0 near 1: nothing is drafted).
+  draft's encoding of a prompt token. Pinned (`Costs`), or measured online, a forward keyed by the
+  tokens it feeds (rows x width): each count's running mean once timed `TIMED` times, a least-squares
+  line over tokens through those means for the others, before that a slope d0 from the prompt's
+  encoding and the first plain step (d0 near 1: nothing is drafted).
 * `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
   were), and its confidence calibrated against what the target accepted; per retrieval source
   (`MatchAcceptance`), per match size, from lookups verified and those scored against the output.

@@ -28,7 +28,7 @@ import torch
 
 from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_path, pad_front, rollback
 from .host import to_device
-from .planner import RoundPlan
+from .planner import Planner, RoundPlan
 from .proposals import DraftRequest, Proposal
 from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
 from .sampling import logits_to_probs
@@ -170,15 +170,22 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     drafted = chain.num_tokens if stopped else planner.stopped_length(chain.confidences, request.max_tokens)
     if not any(use_lookup):
         return chain.first([drafted] * rows)
-    # the lookup rows' nodes are chosen with the drafted chains, for the batch: a lookup longer than
-    # the drafted chains widens every row's forward, and pays only if the batch gains by it
+    lengths = lookup_lengths(planner, reach, chain.confidences, use_lookup, drafted)
+    retrieved = [tokens[:n] if lookup else None for (tokens, _), n, lookup in zip(lookups, lengths, use_lookup)]
+    return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
+
+
+def lookup_lengths(planner: Planner, reach: list[list[float]], confidences: list[list[float]],
+                   use_lookup: list[bool], drafted: int) -> list[int]:
+    """How many retrieved tokens each row that verifies its lookup beside drafted rows gets (0 for
+    the drafted rows): chosen for the batch with the drafted chains kept, since a lookup longer than
+    the drafted chains widens every row's forward and pays only if the batch gains by it."""
     calibrated = [list(itertools.accumulate(map(planner.acceptance.calibrated, c[:drafted]), operator.mul))
-                  for c in chain.confidences]
+                  for c in confidences]
     keep = [[] if lookup else list(range(drafted)) for lookup in use_lookup]
     nodes = planner.best_nodes([r if lookup else c for r, c, lookup in zip(reach, calibrated, use_lookup)],
                                keep=keep)[0]
-    retrieved = [tokens[: len(n)] if lookup else None for (tokens, _), n, lookup in zip(lookups, nodes, use_lookup)]
-    return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
+    return [len(n) if lookup else 0 for n, lookup in zip(nodes, use_lookup)]
 
 
 def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> tuple[Proposal, bool]:

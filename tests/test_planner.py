@@ -474,3 +474,21 @@ def test_generate_with_a_draft_window_is_greedy_exact(arch):
     assert torch.equal(out, target.generate(batch, do_sample=False, max_new_tokens=4)) and widths[0] == prompt.shape[1]
     with pytest.raises(ValueError, match="draft_window"):
         hf_specdec.SpeculativeConfig(draft_window=0)
+
+
+def test_a_lookup_beside_drafted_rows_is_sized_for_the_batch():
+    """In a batch round where some rows verify the draft's chain and one its lookup, the lookup's
+    length is chosen for the batch: each column past the drafted chains widens all 8 rows' forward.
+    Sized as if the row were alone (best_nodes of that row only), it took all 8 tokens."""
+    from hf_specdec.rounds import lookup_lengths
+
+    planner = Planner(8, costs=Costs(draft_step=0.5, verify=0.2))  # a column costs 0.2 of a step
+    lookup = [0.6 ** (i + 1) for i in range(8)]
+    reach = [lookup] + [[] for _ in range(7)]
+    confidences = [[0.9]] * 8
+    use_lookup = [True] + [False] * 7
+    alone = len(planner.best_nodes([lookup])[0][0])
+    batch = lookup_lengths(planner, reach, confidences, use_lookup, drafted=1)
+    assert alone >= 2 and batch == [1] + [0] * 7  # only the column the drafted chains already pay for
+    # once every row verifies a lookup of its own, the extra columns pay for the batch again
+    assert lookup_lengths(planner, [lookup] * 8, confidences, [True] * 8, drafted=1)[0] >= 2

@@ -131,6 +131,14 @@ def medians(rows: list[dict], plain: dict, table: CostTable, engine: str) -> dic
     return {mode: {c: statistics.median(v) for c, v in cats.items()} for mode, cats in out.items()}
 
 
+def _report(lines: list[str], out: str | None) -> None:
+    """Print a markdown report, and write it to `out` when given."""
+    text = "\n".join(lines)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
+
+
 def read_folders(spec: str) -> list[dict]:
     """Records of one or more replay folders (comma-separated: one per seed)."""
     return [json.loads(x) for folder in spec.split(",") for x in open(Path(folder) / "replay.jsonl")]
@@ -168,10 +176,7 @@ def table_command(args) -> dict:
                                                                                    best=options[best], which=best, ratio=ratio)
             geo = geometric_mean(planner[mode].values())
             lines += [f"| **geometric mean** | **{geo:.2f}** | | | min ratio **{min(ratios):.3f}** |", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    _report(lines, args.out)
     return summary
 
 
@@ -213,10 +218,7 @@ def compare_command(args) -> None:
         every = [x for ratios in paired[mode].values() for x in ratios]
         lines += [f"| **geometric mean** | **{go:.2f}** | **{gn:.2f}** | **{gn / go:.3f}** | "
                   f"**{geometric_mean(every):.3f}** over {len(every)} pairs |", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    _report(lines, args.out)
 
 
 
@@ -382,10 +384,7 @@ def paths_command(args) -> dict:
             lines.append(f"| {category} | {cells} | {best} | {ratio:.3f} |")
             summary.setdefault(name, {})[category] = dict(medians=med, best=best, ratio=ratio)
         lines += [f"| **geometric mean** | **{geometric_mean(planner_medians):.2f}** | | | | | | | | min **{min(ratios):.3f}** |", ""]
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    _report(lines, args.out)
     return summary
 
 

@@ -180,8 +180,9 @@ def lookup_lengths(planner: Planner, reach: list[list[float]], confidences: list
     """How many retrieved tokens each row that verifies its lookup beside drafted rows gets (0 for
     the drafted rows): chosen for the batch with the drafted chains kept, since a lookup longer than
     the drafted chains widens every row's forward and pays only if the batch gains by it."""
-    calibrated = [list(itertools.accumulate(map(planner.acceptance.calibrated, c[:drafted]), operator.mul))
-                  for c in confidences]
+    calibrated = [[] if lookup else list(itertools.accumulate(map(planner.acceptance.calibrated, c[:drafted]),
+                                                              operator.mul))
+                  for c, lookup in zip(confidences, use_lookup)]
     keep = [[] if lookup else list(range(drafted)) for lookup in use_lookup]
     nodes = planner.best_nodes([r if lookup else c for r, c, lookup in zip(reach, calibrated, use_lookup)],
                                keep=keep)[0]

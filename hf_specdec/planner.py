@@ -40,8 +40,8 @@ BINS, BIN_PRIOR = 10, 2.0  # confidence calibration: bins, pseudo-observations p
 PROBE, MAX_PROBE = 8, 64  # rounds without the draft before it is tried again (doubling after a failed try)
 
 
-def _ema(old: float, new: float, weight: float) -> float:
-    return (1 - weight) * old + weight * new
+def _ema(old: float, new: float, weight: float, scale: float = 1.0) -> float:  # old + weight (new - scale old)
+    return (1 - weight * scale) * old + weight * new
 
 
 class CostCurve:
@@ -192,21 +192,22 @@ class Acceptance:
                 self.hits[b] += float(i < accepted)
                 self.tries[b] += 1
 
-    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM) -> None:
-        """One token `source` retrieved, reached by verification (or scored against the emitted tokens)."""
-        self.matches(source).observe(size, accepted)
+    def observe_lookup(self, size: int | None, accepted: bool, source: str = NGRAM, share: float = 1.0) -> None:
+        """One token `source` retrieved (`share`: see MatchAcceptance), reached by verification (or scored)."""
+        self.matches(source).observe(size, accepted, share)
 
     def score_unverified(self, proposed: Sequence[int], emitted: Sequence[int], size: int | None,
-                         source: str = NGRAM) -> None:
+                         source: str = NGRAM, shares: Sequence[float] | None = None) -> None:
         """A continuation the round did not verify, against the tokens it emitted (unbiased: see the module)."""
-        for mine, actual in zip(proposed, emitted):
-            self.observe_lookup(size, mine == actual, source)
+        for j, (mine, actual) in enumerate(zip(proposed, emitted)):
+            self.observe_lookup(size, mine == actual, source, shares[j] if shares else 1.0)
             if mine != actual:
                 break
 
 
 class MatchAcceptance:
-    """One retrieval source's acceptance: per size of the match a continuation follows, and pooled."""
+    """One retrieval source's acceptance, per size of the match a continuation follows and pooled, per unit
+    of a token's share (`RetrievalCache.lookup_shares`; 1 in-row): a token moves it by accepted - share x it."""
 
     def __init__(self) -> None:
         self.pooled = PRIOR_LOOKUP  # retrieved tokens, all match sizes
@@ -215,17 +216,17 @@ class MatchAcceptance:
 
     def at(self, size: int | None) -> float:
         """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
-        if size in self.per_size:
-            return self.per_size[size]
         shorter = [s for s in self.per_size if size and s < size]
-        return max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled
+        if size in self.per_size:
+            return min(1.0, self.per_size[size])
+        return min(1.0, max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled)
 
-    def observe(self, size: int | None, accepted: bool) -> None:
-        self.pooled = _ema(self.pooled, float(accepted), EMA / 2)
+    def observe(self, size: int | None, accepted: bool, share: float = 1.0) -> None:
+        self.pooled = _ema(self.pooled, float(accepted), EMA / 2, share)
         if size:
             n = self.seen.get(size, 0)
             start = self.per_size.get(size, self.at(size))
-            self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)))
+            self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)), share)
             self.seen[size] = n + 1
 
 
@@ -381,8 +382,7 @@ class Planner:
             self.acceptance.observe_draft(k, n, hit, None if confidences is None else confidences[r], weight)
         if not self.adaptive:
             return
-        pays = self.draft_length(self.max_draft)[1] > self.rows / self.curve.verify_price(1)
-        if pays:
+        if self.draft_length(self.max_draft)[1] > self.rows / self.curve.verify_price(1):  # drafting pays
             self.probe_wait = PROBE
         elif probe:
             self.probe_wait = min(MAX_PROBE, 2 * self.probe_wait)

@@ -351,7 +351,7 @@ class Retrieval:
         self._key = object()  # this call's rows, apart from other calls' in a shared cache
         # per active row, the source this round's lookup did not propose (scored, then cleared, by `rounds.observe`)
         self.passed_over: dict[int, tuple[list[int], int, str]] = {}
-        # per active row proposing the cache this round, its continuation's shares (`RetrievalCache.lookup_shares`)
+        # per active row the cache's continuation found this round: its shares (`RetrievalCache.lookup_shares`)
         self.shares: dict[int, list[float]] = {}
 
     def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
@@ -388,9 +388,9 @@ class Retrieval:
         for i, ((tokens, size), row, host) in enumerate(zip(self.ngram.match_rows(request), rows, request.host)):
             found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), 1, row)
             mine, theirs = (tokens, size, NGRAM), (found[0][0] if found[0] else [], found[1], CACHE)
-            chosen, other = (theirs, mine) if found[0] and self._better(found[1], size) else (mine, theirs)
-            if chosen is theirs:
+            if found[0]:
                 self.shares[i] = found[2][0]
+            chosen, other = (theirs, mine) if found[0] and self._better(found[1], size, found[2][0][0]) else (mine, theirs)
             out.append(chosen)
             if other[0]:
                 self.passed_over[i] = other
@@ -400,8 +400,8 @@ class Retrieval:
         """One row's distinct continuations (a tree's retrieved branches), their match size and source."""
         continuations, size = self.ngram.retrieve(request, max_branches)
         found = self._from_cache(request.host[0], min(self.ngram.max_tokens, request.max_tokens), max_branches, row)
-        self.passed_over = {}
-        if found[0] and self._better(found[1], size):
+        self.passed_over, self.shares = {}, ({0: found[2][0]} if found[0] else {})
+        if found[0] and self._better(found[1], size, found[2][0][0]):
             if continuations:
                 self.passed_over[0] = (continuations[0], size, NGRAM)
             return found[0], found[1], CACHE
@@ -415,8 +415,9 @@ class Retrieval:
             return [], 0, []
         return self.cache.lookup_shares(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
 
-    def _better(self, cache_size: int, ngram_size: int) -> bool:
-        return not ngram_size or self.estimate(cache_size, CACHE) > self.estimate(ngram_size, NGRAM)
+    def _better(self, cache_size: int, ngram_size: int, share: float) -> bool:
+        """The cache's first token (its `share` of the earlier occurrences) is likelier kept than in-row's."""
+        return not ngram_size or self.estimate(cache_size, CACHE) * share > self.estimate(ngram_size, NGRAM)
 
 
 __all__ = ["Retrieval", "RetrievalCache"]

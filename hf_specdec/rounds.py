@@ -32,7 +32,7 @@ from .planner import Planner, RoundPlan
 from .proposals import DraftRequest, Proposal
 from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
 from .sampling import logits_to_probs
-from .stats import DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
+from .stats import CACHE, DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
 from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, reads_are_free
 
 if TYPE_CHECKING:
@@ -153,8 +153,9 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
              if state.lookup else [([], 0, NGRAM)] * rows)
     lookups = [(tokens, size) for tokens, size, _ in found]
     trace.match_sizes, trace.match_sources = [size for _, size in lookups], [source for _, _, source in found]
-    shares = state.lookup.shares if state.lookup else {}
-    reach = [_lookup_reach(state, tokens, size, source, shares.get(i)) for i, (tokens, size, source) in enumerate(found)]
+    shares = state.lookup.shares if state.lookup else {}  # the cache's continuation, per row that found one
+    reach = [_lookup_reach(state, tokens, size, source, shares.get(i) if source == CACHE else None)
+             for i, (tokens, size, source) in enumerate(found)]
     trace.plan = plan = planner.plan(reach, request.max_tokens, state.drafter.prefill_tokens(request.ids.shape[1]), room)
     if not plan.draft:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
@@ -433,11 +434,12 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         _observe_chains(state, proposal, trace, accepted)
     for r, continuation in trace.unverified.items():
         state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
-                                                  *_match(trace, r))
+                                                  *_match(trace, r), _shares(state, r, _match(trace, r)[1]))
     if state.lookup is not None:  # the source each row passed over, scored once
         passed, state.lookup.passed_over = state.lookup.passed_over, {}
         for r, (continuation, size, source) in passed.items():
-            state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source)
+            state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source,
+                                                      _shares(state, r, source))
 
 
 def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accepted: list[int]) -> None:
@@ -447,8 +449,9 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
         source, length = proposal.source_of(i), proposal.length(i)
         if source == NGRAM:
             size, origin = _match(trace, i)
+            shares = _shares(state, i, origin)
             for j in range(min(accepted[i] + 1, length)):
-                planner.acceptance.observe_lookup(size, j < accepted[i], origin)
+                planner.acceptance.observe_lookup(size, j < accepted[i], origin, shares[j] if shares else 1.0)
         elif source not in (NONE,) and length:
             drafted.append(i)
     if not drafted:
@@ -472,6 +475,12 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     size, source = _match(trace, 0)
     for hit in tree.retrieval_events(path):
         planner.acceptance.observe_lookup(size, hit, source)
+
+
+def _shares(state: DecodeState, i: int, source: str) -> list[float] | None:
+    """Row i's cached continuation's shares this round (`RetrievalCache.lookup_shares`), for the cache's
+    tokens; None for in-row lookup (each token counts as a share of 1)."""
+    return state.lookup.shares.get(i) if source == CACHE and state.lookup is not None else None
 
 
 def _match(trace: Trace, i: int) -> tuple[int | None, str]:

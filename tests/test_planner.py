@@ -18,7 +18,7 @@ from hf_specdec.planner import MAX_PROBE, PROBE, TIMED, Acceptance, CostCurve, P
 from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup, ngram_match
 from hf_specdec.quantize import quantize_weights
 from hf_specdec.sampling import Prefixes
-from hf_specdec.stats import DRAFT, NGRAM, NONE
+from hf_specdec.stats import CACHE, DRAFT, NGRAM, NONE
 
 # A prompt that repeats itself, so n-gram lookup has matches from the first round.
 REPEATING = torch.tensor([[1, 5, 9, 2, 7, 3, 5, 9, 2, 7, 3, 5, 9]])
@@ -183,6 +183,24 @@ def test_lookup_acceptance_is_kept_per_match_size_and_unverified_lookups_are_sco
     assert acceptance.matches().seen[2] == 3 and acceptance.lookup_at(2) != before
     acceptance.score_unverified([], [1, 2], size=2)  # nothing proposed: nothing learned
     assert acceptance.matches().seen[2] == 3
+
+
+def test_cached_acceptance_is_learned_per_unit_of_share():
+    """A cached token is priced as acceptance x share; the acceptance is learned so that the product is
+    unbiased. Tokens kept with probability 0.8 x share, half of them at share 0.5 (kept 40%), half at
+    share 1 (kept 80%): the estimate settles near 0.8, so a share-1 token is priced near 0.8. Learning
+    plain acceptance (ignoring the shares the price multiplies by) settles near 0.6, counting each
+    share twice (0.6 for a share-1 token, 0.3 for a share-0.5 one)."""
+    acceptance = Acceptance(4)
+    pattern = [(1.0, True)] * 4 + [(1.0, False)] + [(0.5, True)] * 2 + [(0.5, False)] * 3  # 0.8 and 0.4 kept
+    for _ in range(40):
+        for share, kept in pattern:
+            acceptance.observe_lookup(4, kept, CACHE, share)
+    assert acceptance.lookup_at(4, CACHE) == pytest.approx(0.8, abs=0.06)
+    assert acceptance.matches(CACHE).pooled == pytest.approx(0.8, abs=0.06)
+    for _ in range(40):  # in-row lookup (share 1): a running mean of what was kept, as before
+        acceptance.observe_lookup(4, True)
+    assert acceptance.lookup_at(4) > 0.99 and acceptance.lookup_at(4) <= 1.0
 
 
 def test_ngram_match_sizes_follow_the_longest_match():

@@ -153,8 +153,7 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
              if state.lookup else [([], 0, NGRAM)] * rows)
     lookups = [(tokens, size) for tokens, size, _ in found]
     trace.match_sizes, trace.match_sources = [size for _, size in lookups], [source for _, _, source in found]
-    shares = state.lookup.shares if state.lookup else {}  # the cache's continuation, per row that found one
-    reach = [_lookup_reach(state, tokens, size, source, shares.get(i) if source == CACHE else None)
+    reach = [_lookup_reach(state, tokens, size, source, _shares(state, i, source))
              for i, (tokens, size, source) in enumerate(found)]
     trace.plan = plan = planner.plan(reach, request.max_tokens, state.drafter.prefill_tokens(request.ids.shape[1]), room)
     if not plan.draft:
@@ -433,8 +432,9 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     else:
         _observe_chains(state, proposal, trace, accepted)
     for r, continuation in trace.unverified.items():
-        state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]],
-                                                  *_match(trace, r), _shares(state, r, _match(trace, r)[1]))
+        size, source = _match(trace, r)
+        state.planner.acceptance.score_unverified(continuation, verdict.tokens[r][: emission.counts[r]], size, source,
+                                                  _shares(state, r, source))
     if state.lookup is not None:  # the source each row passed over, scored once
         passed, state.lookup.passed_over = state.lookup.passed_over, {}
         for r, (continuation, size, source) in passed.items():

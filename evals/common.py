@@ -230,6 +230,18 @@ class ForwardTimer:
         return out
 
 
+def with_scored(work: dict, rounds: list) -> dict:
+    """`work` with "scored" (`CostTable.modelled_seconds`): per round of an hf_specdec call (its
+    `RoundRecord`s, one per row), the positions its target forward scored; `work` unchanged where the
+    rounds and the target's forwards do not pair one to one."""
+    scored: dict[int, int] = {}
+    for r in rounds:
+        scored[r.round] = max(scored.get(r.round, 0), r.scored)
+    if not scored or len(scored) != len(work.get("target", ())) or min(scored.values()) < 1:
+        return work
+    return {**work, "scored": [scored[i] for i in sorted(scored)]}
+
+
 def step_time(durations: list[float]) -> float | None:
     """Median forward time excluding the first (the prefill, which costs more than a decode step)."""
     return statistics.median(durations[1:]) if len(durations) > 1 else None

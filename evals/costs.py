@@ -31,11 +31,13 @@ from pathlib import Path
 import torch
 
 import hf_specdec
+from hf_specdec.config import LAZY_FIRST_CHUNK
 
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # new tokens in a forward: plain, k + 1 for k up to 8, n-gram proposals
 CONTEXTS = (64, 256, 1024)  # cached tokens
 PREFILLS = (16, 64, 256, 1024)  # prompt tokens
 ENGINES = ("transformers", "hf_specdec")
+PIN_POSITION = True  # pinned costs tell the planner a sampled position's price (False: `--eager-prices`, the old pins)
 
 
 @dataclass
@@ -58,15 +60,18 @@ class CostTable:
         at_contexts = [_interp(self.widths, row, width) for row in self.forwards[model]]
         return _interp(self.contexts, at_contexts, context)
 
-    def modelled_seconds(self, work: dict[str, list[list[int]]], mode: str, engine: str) -> float:
-        """work: {model: [[width, context], ...]}, every forward of one generate call. A target forward
-        scores one position from an empty cache and one per new token otherwise (an upper bound where
-        hf_specdec's lazy rule stops early); a draft forward scores one position."""
+    def modelled_seconds(self, work: dict[str, list], mode: str, engine: str) -> float:
+        """work: {model: [[width, context], ...]}, every forward of one generate call, and where known
+        "scored": the positions each target forward scored (hf_specdec's `RoundRecord.scored`: its lazy
+        rule stops at the first rejection when sampling on a CPU). Without it a target forward scores one
+        position from an empty cache and one per new token otherwise; a draft forward scores one."""
         seconds, positions = 0.0, 0
         for model, forwards in work.items():
-            for width, context in forwards:
+            for width, context in forwards if model != "scored" else ():
                 seconds += self.forward(model, width, context)
-                positions += width if model == "target" and context > 0 else 1
+                positions += width if model == "target" and context > 0 and "scored" not in work else 1
+        if "scored" in work:
+            positions += sum(work["scored"]) - len(work["scored"])  # each target forward was counted once above
         return seconds + positions * self.position[mode][engine]
 
     def pinned_costs(self, context: int, draft: str = "hf", window: int | None = 256, mode: str | None = None) -> dict:
@@ -74,16 +79,19 @@ class CostTable:
         the draft step over the target step, every verify width's price up to the widest measured,
         and the draft's prefill per token (over the prompt's last `window` tokens; None: the whole
         prompt); all over the target step. With `mode`, each scored position's processing is priced as
-        `modelled_seconds` prices it (a target forward over w tokens scores w positions, a draft step
-        and a plain step one): in sampling on this CPU a position costs 7% of a step (top-p sorts the
-        vocabulary), so a long lookup chain is dearer than its forward alone."""
+        `modelled_seconds` prices it (a target forward over w tokens scores up to w positions, a draft
+        step and a plain step one): in sampling on this CPU a position costs 7% of a step (top-p sorts
+        the vocabulary), so a long lookup chain is dearer than its forward alone; and, when sampling,
+        that price is also given apart (`Costs.position`), so the planner pays for the positions past
+        the lazy rule's first chunk only as likely as they are reached."""
         position = self.position[mode]["hf_specdec"] if mode else 0.0
         step = self.forward("target", 1, context) + position
         curve = tuple(round((self.forward("target", w, context) + w * position) / step, 4)
                       for w in range(1, self.widths[-1] + 1))
         encoded = min(context, window or context)  # the tokens the draft's prefill encodes
         return dict(costs=hf_specdec.Costs(draft_step=(self.forward(draft, 1, context) + position) / step, verify=curve,
-                                           draft_prefill=self.forward(draft, encoded, 0) / encoded / step))
+                                           draft_prefill=self.forward(draft, encoded, 0) / encoded / step,
+                                           position=round(position / step, 4) if mode == "sampling" and PIN_POSITION else 0.0))
 
     def alias(self, name: str, like: str) -> None:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""
@@ -118,6 +126,17 @@ class CostTable:
     @classmethod
     def load(cls, path: Path) -> "CostTable":
         return cls(**json.loads(Path(path).read_text()))
+
+
+def lazy_scored(drafted: int, accepted: int) -> int:
+    """The positions hf_specdec's lazy rule scores in a sampled chain round of one row on a CPU
+    (`hf_specdec.verify.lazy_speculative_sampling`): chunk by chunk up to the one holding the row's
+    first rejection (or its bonus position), at most drafted + 1."""
+    end, size = LAZY_FIRST_CHUNK, LAZY_FIRST_CHUNK
+    while end <= accepted:
+        size *= 2
+        end += size
+    return min(drafted + 1, end)
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:

@@ -44,7 +44,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import MODES, REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
-from costs import CostTable, load_table, plain_work  # noqa: E402
+from costs import CostTable, lazy_scored, load_table, plain_work  # noqa: E402
 
 KS = (2, 4, 6, 8)
 STANDARD = HERE / "results" / "standard" / "records.jsonl"
@@ -59,15 +59,17 @@ def read_records(path: Path) -> list[dict]:
     return records
 
 
-def greedy_chain_work(prompt: int, window: int, agree: list[bool], k: int, budget: int) -> dict:
+def greedy_chain_work(prompt: int, window: int, agree: list[bool], k: int, budget: int, lazy: bool = False) -> dict:
     """The forwards of hf_specdec with a fixed draft length k (adaptive=False, ngram=False) on a greedy
-    output whose positions the draft predicts as `agree` says, `budget` new tokens at most."""
-    target, draft, t, full = [], [], 0, False
+    output whose positions the draft predicts as `agree` says, `budget` new tokens at most; `lazy`:
+    with the positions each target forward scores when sampling on a CPU ("scored", `lazy_scored`)."""
+    target, draft, scored, t, full = [], [], [], 0, False
     while t < len(agree):
         k_round = min(k, budget - t - 1)  # a round emits at most k + 1 tokens
         context = prompt + t
         if k_round <= 0:  # a plain step
             target.append([1, context - 1] if t else [prompt, 0])
+            scored.append(1)
             t += 1
             continue
         if not t:  # the draft encodes its window of the prompt; the target the prompt and the drafts
@@ -81,8 +83,9 @@ def greedy_chain_work(prompt: int, window: int, agree: list[bool], k: int, budge
         while accepted < k_round and t + accepted < len(agree) and agree[t + accepted]:
             accepted += 1
         full = accepted == k_round
+        scored.append(lazy_scored(k_round, accepted))
         t += accepted + 1
-    return {"target": target, "hf": draft}
+    return {"target": target, "hf": draft, **({"scored": scored} if lazy else {})}
 
 
 @torch.no_grad()
@@ -294,10 +297,13 @@ def acceptance_on_path(target, draft, prompt: list[int], tokens: list[int], wind
     return torch.where(p > 0, torch.minimum(p, q) / p.clamp_min(1e-30), torch.zeros_like(p)).tolist()
 
 
-def expected_chain_seconds(prompt: int, window: int | None, accept: list[float], k: int, budget: int, price) -> float:
+def expected_chain_seconds(prompt: int, window: int | None, accept: list[float], k: int, budget: int, price,
+                           position: float = 0.0) -> float:
     """E[modelled seconds | the output] of hf_specdec with a fixed draft length k (adaptive=False,
     ngram=False), the output's position t accepted with chance accept[t]: `greedy_chain_work`'s rounds
-    summed over every acceptance pattern by their probabilities (`price(model, width, context)`)."""
+    summed over every acceptance pattern by their probabilities (`price(model, width, context)`, which
+    counts a target forward's positions as `modelled_seconds` does without "scored"; `position`: a
+    position's price, to count instead the positions the lazy rule scores, `lazy_scored`)."""
     n, window = len(accept), window or prompt
     states: dict[tuple[int, bool], float] = {(0, False): 1.0}  # (round start, the last round was full) -> P
     seconds = 0.0
@@ -317,10 +323,11 @@ def expected_chain_seconds(prompt: int, window: int | None, accept: list[float],
                 forwards = [("hf", 2 if full else 1, context - (2 if full else 1)), ("target", k_round + 1, context - 1)]
             forwards += [("hf", 1, context + i) for i in range(k_round - 1)]
             seconds += chance * sum(price(*f) for f in forwards)
-            reach = chance
+            reach, counted = chance, k_round + 1 if t else 1
             for j in range(k_round + 1):  # j tokens accepted
                 ended = j == k_round or t + j >= n
                 stop = reach if ended else reach * (1 - accept[t + j])
+                seconds += stop * position * (lazy_scored(k_round, j) - counted)
                 if t + j + 1 < n:
                     states[t + j + 1, j == k_round] = states.get((t + j + 1, j == k_round), 0.0) + stop
                 if ended:
@@ -362,7 +369,8 @@ def paths_command(args) -> dict:
                        "lookup (transformers)": table.modelled_seconds(lookup_work(prompt, tokens, mode, eos, vocab, args.max_new_tokens),
                                                                        mode, "transformers")}
             for k in KS:
-                seconds[f"fixed_k{k}"] = expected_chain_seconds(len(prompt), window, accepts[key], k, args.max_new_tokens, price)
+                seconds[f"fixed_k{k}"] = expected_chain_seconds(len(prompt), window, accepts[key], k, args.max_new_tokens, price,
+                                                                 table.position[mode]["hf_specdec"] if "scored" in r["work"] else 0.0)
             total = pooled.setdefault((r["category"], r["id"]), {})
             for strategy, s in seconds.items():
                 total[strategy] = total.get(strategy, 0.0) + s
@@ -412,7 +420,8 @@ def check_command(args) -> None:
             prompt = forwards[0][0] - min(k, args.max_new_tokens - 1)
             starts = [0] + [context + 1 - prompt for _, context in forwards[1:]] + [n]
             agree = [a for s, e in zip(starts, starts[1:]) for a in [True] * (e - s - 1) + [False]][:n]
-            chains += greedy_chain_work(prompt, SpeculativeConfig().window_for(True), agree, k, args.max_new_tokens) == r["work"]
+            chains += greedy_chain_work(prompt, SpeculativeConfig().window_for(True), agree, k, args.max_new_tokens) == {
+                m: f for m, f in r["work"].items() if m != "scored"}
         print(f"fixed k = {k}: {chains} of {len(rows)} recorded runs reproduced from their acceptance patterns")
         chains = 0
 

@@ -58,8 +58,9 @@ sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain,
+    HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain, with_scored,
 )
+import costs  # noqa: E402
 from costs import CostTable, load_table, plain_work  # noqa: E402
 from run_eval import PRESETS  # noqa: E402
 
@@ -170,7 +171,7 @@ def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, 
                           temperature=workload.temperature, top_p=workload.top_p,
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
                           acceptance_sink=rounds.append, **pins, **extra)
-    work = {name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}
+    work = with_scored({name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}, rounds)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return dict(prompt_tokens=ids.shape[1], new_tokens=len(tokens), tokens=tokens, work=work,
                 target_forwards=len(work.get("target", [])), rounds=len(rounds),
@@ -395,6 +396,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a workload")
     parser.add_argument("--seed", type=int, default=0, help="sample i is seeded with seed + i")
+    parser.add_argument("--eager-prices", action="store_true",
+                        help="pin costs without Costs.position (the planner prices every sampled position, as before the "
+                             "lazy pricing); the work is modelled the same way")
     parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs (no pass@k)")
     parser.add_argument("--humaneval-chat", action="store_true",
                         help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
@@ -404,6 +408,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="no generation: transformers' prompt lookup priced on the outputs of DIR/records.jsonl "
                              "(its rounds are fixed by the output: evals/regimes.py lookup_work), beside each method there")
     args = parser.parse_args(argv)
+    costs.PIN_POSITION = not args.eager_prices
     if args.samples < 1 or args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
         parser.error("--samples, --max-new-tokens and --limit must be at least 1")
     return args

@@ -41,7 +41,9 @@ sys.path.insert(0, str(HERE))
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     MODES, REQUIRED, ForwardTimer, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain,
+    with_scored,
 )
+import costs  # noqa: E402
 from costs import CostTable  # noqa: E402
 
 RECORDED = ("plain", "assisted", "prompt_lookup")  # repriced from the records
@@ -87,6 +89,7 @@ def replay_prompt(target, draft, prompt: dict, mode: str, seed: int, table: Cost
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **MODES[mode],
                           return_dict_in_generate=True, **kwargs)
     work = {name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}
+    work = with_scored(work, rounds)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method, seed=seed, new_tokens=len(tokens),
                 tokens=tokens, work=work, modelled_seconds=table.modelled_seconds(work, mode, ENGINES[method]),
@@ -176,13 +179,17 @@ def main(argv=None) -> dict:
     parser.add_argument("--accelerator-path", action="store_true",
                         help="run the loop as on an accelerator, where each device read stalls: no per-token draft "
                              "stop, no CPU-only sparse sampling (hf_specdec.verify.reads_are_free off)")
+    parser.add_argument("--eager-prices", action="store_true",
+                        help="pin costs without Costs.position (the planner prices every sampled position, as before the "
+                             "lazy pricing); the work is modelled the same way")
     add_options(parser, "threads")
     args = parser.parse_args(argv)
+    costs.PIN_POSITION = not args.eager_prices
     apply_threads(args.threads)
     if args.accelerator_path:
-        from hf_specdec import rounds, sampling, verify  # not `import hf_specdec.x`: that makes hf_specdec local here
+        from hf_specdec import generate, rounds, sampling, verify  # not `import hf_specdec.x`: that makes hf_specdec local here
 
-        for module in (verify, sampling, rounds):
+        for module in (verify, sampling, rounds, generate):
             module.reads_are_free = lambda device: False
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:

@@ -33,7 +33,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, add_options,
-    median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts,
+    median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts, with_scored,
 )
 from costs import CostTable, measure  # noqa: E402
 from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
@@ -192,7 +192,7 @@ def evaluate_prompt(config: EvalConfig, prompt: dict, index: int, target, drafts
             taken = {name: timer.take_with_work() for name, timer in timers.items()}
             draft_d = [d for name, (durations, _) in taken.items() if name != "target" for d in durations]
             record = dict(base, **_measurements(input_ids, seqs, seconds, taken["target"][0], draft_d))
-            record["work"] = {name: work for name, (_, work) in taken.items() if work}
+            record["work"] = with_scored({name: work for name, (_, work) in taken.items() if work}, rounds or [])
             record["modelled_seconds"] = table.modelled_seconds(record["work"], mode, _engine(method))
             if method == "plain":
                 plain = (record, seqs, scores)

@@ -14,6 +14,20 @@ PREFILL_RATIO = 0.35
 # occurrence whose match reaches furthest back, whatever n; evals/results/planner/sixth/).
 NGRAM_MAX_SIZE = 3
 
+# Sampling on a CPU scores p lazily (`verify.lazy_speculative_sampling`): positions [0, 4), then 8
+# more, then 16, ..., while the row has rejected nothing.
+LAZY_FIRST_CHUNK = 4
+
+
+def unscored(width: int, reach) -> float:
+    """The expected positions of a chain forward over `width` new tokens that the lazy rule does not
+    score: the chunk from position b on is scored only if the first b tokens are accepted (reach[b - 1])."""
+    start, size, skipped = LAZY_FIRST_CHUNK, 2 * LAZY_FIRST_CHUNK, 0.0
+    while start < width:
+        skipped += (1.0 - (reach[start - 1] if start <= len(reach) else 0.0)) * (min(width, start + size) - start)
+        start, size = start + size, 2 * size
+    return skipped
+
 
 @dataclass(frozen=True)
 class Costs:
@@ -22,11 +36,15 @@ class Costs:
 
     `verify`: a number d (a forward over w tokens costs 1 + d (w - 1)), or the price of each width
     (entry i: w = i + 1; wider forwards extend the last segment). `draft_prefill`: the draft's
-    encoding of one prompt token; None: 0.35 of the target's, taken as the verify curve's slope."""
+    encoding of one prompt token; None: 0.35 of the target's, taken as the verify curve's slope.
+    `position`: the part of each width's price that scoring one position costs when sampling (the
+    processors; top-p sorts the vocabulary), so positions the lazy rule is not expected to reach are
+    not paid for (`unscored`; one row on a CPU)."""
 
     draft_step: float
     verify: float | tuple[float, ...] = 0.03
     draft_prefill: float | None = None
+    position: float = 0.0
 
     def __post_init__(self) -> None:
         _check_number("draft_step", self.draft_step)
@@ -41,16 +59,18 @@ class Costs:
             _check_number("verify", self.verify)
         if self.draft_prefill is not None:
             _check_number("draft_prefill", self.draft_prefill)
+        _check_number("position", self.position)
 
-    def verify_price(self, width: int) -> float:
-        """A target forward over `width` new tokens, in one-token steps."""
-        curve = self.verify
+    def verify_price(self, width: int, reach=None) -> float:
+        """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
+        lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
+        curve, lazy = self.verify, self.position * unscored(width, reach) if reach is not None else 0.0
         if not isinstance(curve, tuple):
-            return 1.0 + curve * (width - 1)
+            return 1.0 + curve * (width - 1) - lazy
         if width <= len(curve):
-            return curve[width - 1]
+            return curve[width - 1] - lazy
         slope = max(0.0, curve[-1] - curve[-2]) if len(curve) > 1 else 0.0
-        return curve[-1] + slope * (width - len(curve))
+        return curve[-1] + slope * (width - len(curve)) - lazy
 
     def prefill_per_token(self) -> float:
         """The draft's encoding of one prompt token, in target steps."""

@@ -35,6 +35,7 @@ from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
 from .stats import CACHE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
+from .verify import reads_are_free
 
 logger = logging.getLogger(__name__)
 
@@ -190,7 +191,8 @@ def _start(
                                 generator, input_ids)
     drafter.start(rows)
     # A foreign generator is used as it is, every round; our drafters take part in the planner.
-    planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows)
+    planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
+                      lazy=bool(generation_config.do_sample) and reads_are_free(input_ids.device))
     cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse
     known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)
     if known is not None and planner.curve.measuring:  # measured by an earlier call: no rounds spent on it

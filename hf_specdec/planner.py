@@ -3,10 +3,10 @@
 Units: a target forward over one new token costs 1. Three parts (docs/design.md#the-planner):
 
 * `CostCurve`: a target forward over w new tokens at the batch's row count, a draft step (c), the
-  draft's encoding of a prompt token. Pinned (`Costs`), or measured online, a forward keyed by the
-  tokens it feeds (rows x width): each count's running mean once timed `TIMED` times, a least-squares
-  line over tokens through those means for the others, before that a slope d0 from the prompt's
-  encoding and the first plain step (d0 near 1: nothing is drafted).
+  draft's encoding of a prompt token. Pinned (`Costs`; sampling one row on a CPU, positions past the
+  lazy rule's first chunk priced by their reach), or measured online per tokens fed (rows x width): a
+  count's running mean once timed `TIMED` times, a least-squares line through the means for the others,
+  before that a slope d0 from the prompt's encoding and the first plain step (d0 near 1: no drafting).
 * `Acceptance`: for the draft model, per depth the running P(token i accepted | the ones before it
   were), and its confidence calibrated against what the target accepted; per retrieval source
   (`MatchAcceptance`), per match size, from lookups verified and those scored against the output.
@@ -48,8 +48,8 @@ class CostCurve:
     """Prices in target one-token steps at the current row count: pinned, or measured online, where a
     forward is timed by the tokens it feeds (rows x width), so what one row count taught prices another."""
 
-    def __init__(self, pinned: Costs | None, rows: int = 1):
-        self.pinned, self.rows = pinned, rows
+    def __init__(self, pinned: Costs | None, rows: int = 1, lazy: bool = False):
+        self.pinned, self.rows, self.lazy = pinned, rows, lazy  # lazy: one row's chain priced by its reach
         self.seconds: dict[int, float] = {}  # new tokens fed (rows x width) -> running mean seconds
         self.seen: dict[int, int] = {}
         self.draft_ratio: float | None = None  # c as timed: draft step over the target's step
@@ -72,8 +72,7 @@ class CostCurve:
         if len(means) == 1:
             (x, s), = means.items()
             return s / (1 + prior * (x / rows - 1)), prior
-        mx = sum(means) / len(means)
-        my = sum(means.values()) / len(means)
+        mx, my = sum(means) / len(means), sum(means.values()) / len(means)
         slope = sum((x - mx) * (s - my) for x, s in means.items()) / sum((x - mx) ** 2 for x in means)
         step = my - slope * (mx - rows)
         if step <= 0:
@@ -87,10 +86,10 @@ class CostCurve:
         line = self._line()
         return None if line is None else line[0]
 
-    def verify_price(self, width: int) -> float:
-        """A target forward over `width` new tokens in every row, in one-token steps."""
+    def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
+        """A target forward over `width` new tokens in every row, in one-token steps (`Costs.verify_price`)."""
         if self.pinned is not None:
-            return self.pinned.verify_price(width)
+            return self.pinned.verify_price(width, reach if self.lazy and self.rows == 1 else None)
         line = self._line()
         if line is None:
             slope = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
@@ -129,8 +128,7 @@ class CostCurve:
         step = self.step_seconds()
         if step:  # a stalled round (another process, a collection) moves the estimates a little
             seconds = min(seconds, OUTLIER * step * self.verify_price(width))
-        key = self.rows * width
-        n = self.seen.get(key, 0)
+        key, n = self.rows * width, self.seen.get(self.rows * width, 0)
         self.seconds[key] = _ema(self.seconds.get(key, seconds), seconds, max(EMA, 1 / (n + 1)))
         self.seen[key] = n + 1
         step = self.step_seconds()
@@ -224,8 +222,7 @@ class MatchAcceptance:
     def observe(self, size: int | None, accepted: bool, share: float = 1.0) -> None:
         self.pooled = _ema(self.pooled, float(accepted), EMA / 2, share)
         if size:
-            n = self.seen.get(size, 0)
-            start = self.per_size.get(size, self.at(size))
+            n, start = self.seen.get(size, 0), self.per_size.get(size, self.at(size))
             self.per_size[size] = _ema(start, float(accepted), max(EMA / 2, 1 / (n + 3)), share)
             self.seen[size] = n + 1
 
@@ -244,9 +241,9 @@ class RoundPlan:
 class Planner:
     """Plans each round of one generate call (see the module docstring)."""
 
-    def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1):
+    def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1, lazy: bool = False):
         self.max_draft, self.adaptive = max_draft, adaptive
-        self.curve = CostCurve(costs, rows)
+        self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)
         self.without_draft = 0  # rounds since the draft model last ran
         self.probe_wait = PROBE
@@ -277,13 +274,14 @@ class Planner:
                         if p > 0 and (r, j) not in taken))
         tokens = rows + sum(reach[r][j] for r, j in taken)
         width = lambda counts: 1 + (sum(counts) if rows == 1 else max(counts, default=0))  # noqa: E731
-        counts = [len(c) for c in chosen]
-        best_rate, best = tokens / (base + self.curve.verify_price(width(counts))), 0
+        counts, chain = [len(c) for c in chosen], sorted((reach[r][j] for r, j in taken), reverse=True)
+        best_rate, best = tokens / (base + self.curve.verify_price(width(counts), chain)), 0
         limit = len(order) if most is None else max(0, most - len(taken))
         for n, (p, r, _) in enumerate(order[:limit], start=1):
             tokens -= p
             counts[r] += 1
-            rate = tokens / (base + self.curve.verify_price(width(counts)))
+            chain.append(-p)  # one row: a chain's nodes in order (a tree, greedy, is never priced lazily)
+            rate = tokens / (base + self.curve.verify_price(width(counts), chain))
             if rate > best_rate:
                 best_rate, best = rate, n
         for _, r, j in order[:best]:
@@ -295,9 +293,9 @@ class Planner:
         prefill spread over what it is expected to draft (`_cold`); (0, 0.0) when it cannot draft."""
         rows, c = self.rows, self.curve.draft_step
         best, best_rate, gain = 0, 0.0, 0.0
-        for k, p in enumerate(self.acceptance.draft_reach(most), start=1):
+        for k, p in enumerate(reach := self.acceptance.draft_reach(most), start=1):
             gain += p
-            rate = rows * (1 + gain) / (k * c + self.curve.verify_price(1 + k))
+            rate = rows * (1 + gain) / (k * c + self.curve.verify_price(1 + k, reach))
             if rate > best_rate:
                 best, best_rate = k, rate
         return best, self._cold(best_rate, prefill, remaining) if best else 0.0
@@ -322,7 +320,7 @@ class Planner:
         draft's probability of its last token, whether to draft another (up to `most`): while stopping
         later (further tokens reaching as `Acceptance.draft` says) beats stopping now, for the batch."""
         c, price, alpha = self.curve.draft_step, self.curve.verify_price, self.acceptance.draft_at
-        reach: list[float] = []  # per row, P(its drafted tokens so far are all accepted)
+        reach, chain = [], []  # per row, P(its drafted tokens so far are all accepted); one row: that after each token
         tokens, j = 0.0, 0  # the batch's expected tokens so far; tokens drafted
 
         def keep_drafting(confidences: list[float]) -> bool:
@@ -330,11 +328,13 @@ class Planner:
             calibrated = [self.acceptance.calibrated(x) for x in confidences]
             reach[:] = [r * q for r, q in zip(reach, calibrated)] if reach else calibrated
             tokens, j = (tokens or len(reach)) + sum(reach), j + 1  # each row also emits one token of the target's
-            now, tail, gain = tokens / (j * c + price(j + 1)), sum(reach), 0.0
+            chain.append(reach[0])
+            now, tail, gain, ahead = tokens / (j * c + price(j + 1, chain)), sum(reach), 0.0, chain[:]
             for later in range(j + 1, most + 1):
                 tail *= alpha(later - 1)
                 gain += tail
-                if (tokens + gain) / (later * c + price(later + 1)) > now:
+                ahead.append(tail)  # one row (the only chain priced by its reach): P(token `later` reached)
+                if (tokens + gain) / (later * c + price(later + 1, ahead)) > now:
                     return True
             return False
 

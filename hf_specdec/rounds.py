@@ -519,6 +519,7 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
         cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
         retrieval=_match(trace, i)[1] if _retrieved(proposal, i) else "",
+        scored=verdict.target_scores.shape[1] if proposal.tree is None else len(proposal.tree.parents) + 1,
     )
 
 

@@ -45,6 +45,9 @@ class RoundRecord:
     # Where the row's retrieved tokens came from, when it verified any: "ngram" (its own text) or
     # "cache" (a `RetrievalCache`: earlier outputs, or other rows of the call); "" otherwise.
     retrieval: str = ""
+    # Positions at which the target's processors ran (the rows' own, in a batch): every node in greedy
+    # decoding; when sampling on a CPU up to the chunk of the batch's last first rejection.
+    scored: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

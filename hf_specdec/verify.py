@@ -87,7 +87,7 @@ def lazy_speculative_sampling(
     draft_probs: torch.Tensor | None,  # [batch, k, vocab]: q; None: point masses
     target_probs_at: TargetProbsAt,  # (start, stop) -> p at positions [start, stop): [batch, stop - start, vocab]
     generator: torch.Generator | None = None,
-    first_chunk: int = 4,
+    first_chunk: int = 4,  # config.LAZY_FIRST_CHUNK (this module imports nothing of the package)
     lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths, as in `speculative_sampling`
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`speculative_sampling` with p computed only as far as it matters.

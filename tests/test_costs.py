@@ -45,6 +45,10 @@ def test_a_record_priced_by_hand_equals_the_code():
     expected = 0.5 + 0.975 + 1.5 + 0.05 + 0.11 + 8 * 0.002
     assert table.modelled_seconds(work, "greedy", "hf_specdec") == pytest.approx(expected)
     assert table.modelled_seconds(work, "greedy", "transformers") == pytest.approx(expected - 8 * 0.001)
+    # with the positions each target forward scored (hf_specdec's round records) counted instead:
+    # 3 + 2 + 1 as many as 1 + 4 + 1; 1 + 2 + 1 two fewer
+    assert table.modelled_seconds(dict(work, scored=[3, 2, 1]), "greedy", "hf_specdec") == pytest.approx(expected)
+    assert table.modelled_seconds(dict(work, scored=[1, 2, 1]), "greedy", "hf_specdec") == pytest.approx(expected - 2 * 0.002)
 
 
 def test_pinned_costs_and_drift_from_the_table():
@@ -62,6 +66,10 @@ def test_pinned_costs_and_drift_from_the_table():
     greedy = table.pinned_costs(100, mode="greedy")["costs"]
     assert greedy.verify[:3] == pytest.approx([1.0, 1.104 / 1.002, 1.206 / 1.002], abs=1e-4)  # rounded to 4 places
     assert greedy.draft_step == pytest.approx(0.102 / 1.002)
+    assert greedy.position == 0.0  # greedy scores every position: nothing for the planner to save
+    sampled = hand_table()
+    sampled.position["sampling"] = {"transformers": 0.05, "hf_specdec": 0.1}
+    assert sampled.pinned_costs(100, mode="sampling")["costs"].position == pytest.approx(0.1 / 1.1, abs=1e-4)
     other = hand_table()
     other.forwards["target"][1][2] *= 1.25
     assert table.drift(other) == pytest.approx(0.25)

@@ -14,11 +14,13 @@ import hf_specdec
 from conftest import perturbed, tiny_model
 from hf_specdec import Costs
 from hf_specdec.cache import rollback
+from hf_specdec.config import unscored
 from hf_specdec.planner import MAX_PROBE, PROBE, TIMED, Acceptance, CostCurve, Planner
 from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup, ngram_match
 from hf_specdec.quantize import quantize_weights
 from hf_specdec.sampling import Prefixes
 from hf_specdec.stats import CACHE, DRAFT, NGRAM, NONE
+from hf_specdec.verify import lazy_speculative_sampling
 
 # A prompt that repeats itself, so n-gram lookup has matches from the first round.
 REPEATING = torch.tensor([[1, 5, 9, 2, 7, 3, 5, 9, 2, 7, 3, 5, 9]])
@@ -243,6 +245,35 @@ def test_the_draft_length_maximises_expected_tokens_per_cost():
     planner.acceptance.draft = [0.9, 0.1] + [0.9] * 6
     assert planner.draft_length(8)[0] == 1  # a weak second token ends the chain
     assert planner.draft_length(0) == (0, 0.0)
+
+
+def test_lazy_pricing_pays_for_the_positions_the_lazy_rule_is_expected_to_score():
+    # Sampling on a CPU scores p in chunks ([0, 4), then 8 more, ...) up to the first rejection, so a
+    # chain's positions from 4 on are scored only as often as its first 4 tokens are all accepted.
+    # Measured against the rule itself: point-mass drafts accepted with chance 0.9 each, one row a call.
+    torch.manual_seed(0)
+    width, vocab, calls = 10, 4, 2000
+    p = torch.full((1, width, vocab), 0.1 / (vocab - 1))
+    p[..., 0] = 0.9  # the drafted token (0) is accepted with chance p(0) / 1
+    drafts, skipped = torch.zeros(1, width - 1, dtype=torch.long), 0
+    for _ in range(calls):
+        asked = []
+        lazy_speculative_sampling(drafts, None, lambda a, b: asked.append(b - a) or p[:, a:b])
+        skipped += width - sum(asked)
+    reach = [0.9 ** i for i in range(1, width)]
+    assert unscored(width, reach) == pytest.approx(6 * (1 - 0.9 ** 4))  # 2.06; reach[4] (0.59) would give 2.46
+    assert skipped / calls == pytest.approx(unscored(width, reach), abs=0.2)  # 3 standard errors
+    assert unscored(4, reach) == 0.0  # the first chunk is always scored
+    # the planner: a position at 0.1 of a step inside each width's price; priced lazily (sampling, one
+    # row, pinned) a sure chain's tail is nearly free and the planner verifies more of it
+    costs = Costs(draft_step=0.2, verify=tuple(1 + 0.11 * w for w in range(24)), position=0.1)
+    chain = [[0.6 * 0.9 ** i for i in range(20)]]
+    eager, lazy = Planner(8, costs=costs), Planner(8, costs=costs, lazy=True)
+    assert lazy.curve.verify_price(10, chain[0]) == pytest.approx(costs.verify_price(10) - 0.1 * unscored(10, chain[0]))
+    assert eager.curve.verify_price(10, chain[0]) == costs.verify_price(10)
+    assert len(eager.best_nodes(chain)[0][0]) == 8 and len(lazy.best_nodes(chain)[0][0]) == 19
+    lazy.set_rows(2)  # a batch is priced every position (the chunk waits for the batch's last row)
+    assert lazy.curve.verify_price(10, chain[0]) == costs.verify_price(10)
 
 
 def test_the_plan_drafts_when_that_beats_retrieval_and_plain_steps():
@@ -510,3 +541,22 @@ def test_a_lookup_beside_drafted_rows_is_sized_for_the_batch():
     assert alone >= 2 and batch == [1] + [0] * 7  # only the column the drafted chains already pay for
     # once every row verifies a lookup of its own, the extra columns pay for the batch again
     assert lookup_lengths(planner, [lookup] * 8, confidences, [True] * 8, drafted=1)[0] >= 2
+
+
+def test_each_round_records_the_positions_its_target_scored():
+    # What the eval's cost model charges (`RoundRecord.scored`): greedy scores every proposed position;
+    # sampling on a CPU scores chunk by chunk ([0, 4), [4, 12), ...) up to the row's first rejection.
+    target = tiny_model(vocab=64)
+    draft = perturbed(target, 0.5)
+    prompt = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 13, 5, 9, 2, 7, 3, 11, 13, 5, 9, 2, 7, 3, 11, 13, 5, 9]])
+    records = []
+    spec(target, draft, prompt, max_new_tokens=40, acceptance_sink=records.append, tree=False)
+    assert records and all(r.scored == len(r.draft_tokens) + 1 for r in records)
+    records.clear()
+    torch.manual_seed(1)
+    spec(target, draft, prompt, max_new_tokens=60, do_sample=True, top_p=0.9, acceptance_sink=records.append,
+         costs=Costs(draft_step=0.05, verify=0.01))
+    for r in records:
+        end = 4 if r.num_accepted < 4 else 12 if r.num_accepted < 12 else 28
+        assert r.scored == min(len(r.draft_tokens) + 1, end), r
+    assert any(r.scored < len(r.draft_tokens) + 1 for r in records)  # the lazy rule stopped early somewhere

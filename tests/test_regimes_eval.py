@@ -74,6 +74,8 @@ def test_expected_chain_seconds_is_the_chain_work_averaged_over_acceptance_patte
         agree = [rng.random() < 0.6 for _ in range(n)]
         exact = table.modelled_seconds(greedy_chain_work(prompt, 256, agree, k, 64), "sampling", "hf_specdec")
         assert expected_chain_seconds(prompt, 256, [float(a) for a in agree], k, 64, price) == pytest.approx(exact)
+        lazy = table.modelled_seconds(greedy_chain_work(prompt, 256, agree, k, 64, lazy=True), "sampling", "hf_specdec")
+        assert expected_chain_seconds(prompt, 256, [float(a) for a in agree], k, 64, price, 0.02) == pytest.approx(lazy)
     # uncertain ones: the mean over 4,000 drawn patterns (standard error about 0.1% here; 0.5% allowed)
     accept = [rng.random() for _ in range(40)]
     draws = [table.modelled_seconds(greedy_chain_work(80, 256, [rng.random() < a for a in accept], 4, 64), "sampling",
@@ -82,6 +84,14 @@ def test_expected_chain_seconds_is_the_chain_work_averaged_over_acceptance_patte
     # and not the work of always or never accepting
     assert expected_chain_seconds(80, 256, [1.0] * 40, 4, 64, price) < sum(draws) / len(draws) < \
         expected_chain_seconds(80, 256, [0.0] * 40, 4, 64, price)
+    # the positions the lazy rule scores (sampling on a CPU), which cut the price of k = 6 and 8 chains
+    position = table.position["sampling"]["hf_specdec"]
+    for k in (4, 8):
+        lazy = [table.modelled_seconds(greedy_chain_work(80, 256, [rng.random() < a for a in accept], k, 64, lazy=True),
+                                       "sampling", "hf_specdec") for _ in range(4000)]
+        mean = sum(lazy) / len(lazy)
+        assert expected_chain_seconds(80, 256, accept, k, 64, price, position) == pytest.approx(mean, rel=0.005)
+        assert mean < expected_chain_seconds(80, 256, accept, k, 64, price) * (0.999 if k == 8 else 1.0)
 
 
 def test_given_the_output_a_drafted_token_was_kept_with_chance_min_p_q_over_p():

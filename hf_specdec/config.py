@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
+from typing import Sequence
 
 # The draft's encoding of one prompt token, over the target's (measured on the real pair: 0.31-0.37).
 PREFILL_RATIO = 0.35
@@ -19,7 +20,7 @@ NGRAM_MAX_SIZE = 3
 LAZY_FIRST_CHUNK = 4
 
 
-def unscored(width: int, reach) -> float:
+def unscored(width: int, reach: Sequence[float]) -> float:
     """The expected positions of a chain forward over `width` new tokens that the lazy rule does not
     score: the chunk from position b on is scored only if the first b tokens are accepted (reach[b - 1])."""
     start, size, skipped = LAZY_FIRST_CHUNK, 2 * LAZY_FIRST_CHUNK, 0.0
@@ -61,7 +62,7 @@ class Costs:
             _check_number("draft_prefill", self.draft_prefill)
         _check_number("position", self.position)
 
-    def verify_price(self, width: int, reach=None) -> float:
+    def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
         lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
         curve, lazy = self.verify, self.position * unscored(width, reach) if reach is not None else 0.0

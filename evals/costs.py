@@ -31,7 +31,6 @@ from pathlib import Path
 import torch
 
 import hf_specdec
-from hf_specdec.config import LAZY_FIRST_CHUNK
 
 WIDTHS = (1, 2, 3, 5, 9, 17, 33)  # new tokens in a forward: plain, k + 1 for k up to 8, n-gram proposals
 CONTEXTS = (64, 256, 1024)  # cached tokens
@@ -126,17 +125,6 @@ class CostTable:
     @classmethod
     def load(cls, path: Path) -> "CostTable":
         return cls(**json.loads(Path(path).read_text()))
-
-
-def lazy_scored(drafted: int, accepted: int) -> int:
-    """The positions hf_specdec's lazy rule scores in a sampled chain round of one row on a CPU
-    (`hf_specdec.verify.lazy_speculative_sampling`): chunk by chunk up to the one holding the row's
-    first rejection (or its bonus position), at most drafted + 1."""
-    end, size = LAZY_FIRST_CHUNK, LAZY_FIRST_CHUNK
-    while end <= accepted:
-        size *= 2
-        end += size
-    return min(drafted + 1, end)
 
 
 def _interp(xs: list[int], ys: list[float], x: float) -> float:

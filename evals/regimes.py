@@ -44,7 +44,8 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 from common import MODES, REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
-from costs import CostTable, lazy_scored, load_table, plain_work  # noqa: E402
+from costs import CostTable, load_table, plain_work  # noqa: E402
+from hf_specdec.config import lazy_scored  # noqa: E402
 
 KS = (2, 4, 6, 8)
 STANDARD = HERE / "results" / "standard" / "records.jsonl"

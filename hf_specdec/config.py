@@ -20,6 +20,16 @@ NGRAM_MAX_SIZE = 3
 LAZY_FIRST_CHUNK = 4
 
 
+def lazy_scored(drafted: int, accepted: int) -> int:
+    """The positions the lazy rule scores in one row's chain round of `drafted` tokens, `accepted` of
+    them kept: chunk by chunk up to the one holding the first rejection (or the bonus position)."""
+    end, size = LAZY_FIRST_CHUNK, LAZY_FIRST_CHUNK
+    while end <= accepted:
+        size *= 2
+        end += size
+    return min(drafted + 1, end)
+
+
 def unscored(width: int, reach: Sequence[float]) -> float:
     """The expected positions of a chain forward over `width` new tokens that the lazy rule does not
     score: the chunk from position b on is scored only if the first b tokens are accepted (reach[b - 1])."""

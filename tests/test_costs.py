@@ -13,7 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "evals"))
 
-from common import CATEGORIES, bootstrap_interval, prompt_pools, split_of  # noqa: E402
+from common import CATEGORIES, bootstrap_interval, prompt_pools, split_of, with_scored  # noqa: E402
 from costs import CostTable  # noqa: E402
 
 
@@ -49,6 +49,14 @@ def test_a_record_priced_by_hand_equals_the_code():
     # 3 + 2 + 1 as many as 1 + 4 + 1; 1 + 2 + 1 two fewer
     assert table.modelled_seconds(dict(work, scored=[3, 2, 1]), "greedy", "hf_specdec") == pytest.approx(expected)
     assert table.modelled_seconds(dict(work, scored=[1, 2, 1]), "greedy", "hf_specdec") == pytest.approx(expected - 2 * 0.002)
+
+
+def test_scored_positions_are_taken_per_round_from_the_records():
+    from types import SimpleNamespace as R
+    work = {"target": [[50, 0], [4, 50]], "hf": [[50, 0]]}
+    rounds = [R(round=0, scored=1), R(round=1, scored=4), R(round=1, scored=2)]  # round 1: two rows, the batch's most
+    assert with_scored(work, rounds) == dict(work, scored=[1, 4])
+    assert with_scored(work, rounds[:1]) == work  # rounds and forwards do not pair: left as it was
 
 
 def test_pinned_costs_and_drift_from_the_table():

@@ -6,7 +6,8 @@ import json, math, statistics, sys
 from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1]))
-from costs import CostTable, lazy_scored
+from costs import CostTable
+from hf_specdec.config import lazy_scored
 D = sys.argv[1] if len(sys.argv) > 1 else str(HERE.parent / 'planner-wall' / 'sampling')
 table = CostTable.load(f'{D}/cost_table.json')
 recs = [json.loads(l) for l in open(f'{D}/records.jsonl')]

@@ -156,11 +156,13 @@ class RaggedBatch:
         self._prefixes = None
         # An empty cache (a draft that has not run yet) holds the empty prefix of any work sequence.
         live = [c for c in caches if c is not None and c.get_seq_length() > 0]
+        ends = sorted({c.get_seq_length() for c in live})
+        # each segment's widest row, read in one copy (compacting a segment leaves the later ones' columns as they were)
+        widths = torch.stack([self.mask[:, s:e].sum(dim=1).max() for s, e in zip([0] + ends, ends)]).tolist() if ends else []
         start, shift = 0, 0  # the segment's first column: in the sequence as it was, and as compacted so far
-        for end in sorted({c.get_seq_length() for c in live}):
+        for end, width in zip(ends, widths):
             a, b = shift, shift + end - start  # the segment's columns now
             head = self.mask[:, a:b]
-            width = int(head.sum(dim=1).max())
             order = torch.sort(head, dim=1, stable=True).indices[:, b - a - width :]  # each row's real columns, last
             gather_columns([c for c in live if c.get_seq_length() >= b], order, b, a)
             self.ids = torch.cat([self.ids[:, :a], self.ids[:, a:b].gather(1, order), self.ids[:, b:]], dim=1)

@@ -13,7 +13,8 @@ Device reads: a round reads the device at most three times, each one copy: the d
 confidences (`DraftModelDrafter.propose`), the verdict (accepted counts and emitted tokens; for a
 tree every node's argmax), and the stopping criteria's answers. Everything else the planner and the
 lookups need is host data (`RaggedBatch` keeps each row's tokens on the host). On a CPU a few more
-reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds its own.
+reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds its own, and a
+batch round that compacts its holes one (`RaggedBatch.compact`).
 """
 
 from __future__ import annotations

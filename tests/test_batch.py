@@ -136,6 +136,40 @@ def test_batched_greedy_with_processors_and_compaction_matches_plain():
     assert compactions, "the run should compact at least once"
 
 
+def test_a_compaction_reads_the_device_once_whatever_its_segments(monkeypatch):
+    """The target's cache runs ahead of a draft that sat out lookup rounds, so a compaction gathers two
+    segments of columns; their widths come back in one copy (one synchronisation on an accelerator)."""
+    target = tiny_model("llama", seed=33)
+    draft = perturbed(target, noise=0.04)
+    ids, mask = left_padded([[1, 5, 9, 2, 1, 5, 9, 2], [1, 8, 4, 1, 8, 4], [1, 6, 6, 2, 9], [1, 3]])
+    seen, inside = [], []  # per compaction: (segments, reads)
+    original = RaggedBatch.compact
+
+    def counted(self, caches):
+        inside.append(0)
+        segments = len({c.get_seq_length() for c in caches if c is not None and c.get_seq_length() > 0})
+        original(self, caches)
+        seen.append((segments, inside.pop()))
+
+    def reading(name):
+        real = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, **kwargs):
+            if inside:
+                inside[-1] += 1
+            return real(self, *args, **kwargs)
+        return wrapper
+
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "cpu", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, reading(name))
+    monkeypatch.setattr(RaggedBatch, "compact", counted)
+    out = spec(target, draft, ids, mask, do_sample=False, max_new_tokens=150, num_draft_tokens=6,
+               costs=hf_specdec.Costs(draft_step=0.1, verify=0.02))
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=150))
+    assert any(segments > 1 for segments, _ in seen), seen
+    assert all(reads == 1 for _, reads in seen), seen
+
+
 def test_batch_of_one_row_with_padding_matches_plain():
     target = tiny_model("gpt2", seed=35)
     ids, mask = left_padded([[1, 2, 3]] + [[1, 2, 3, 4, 5]])

@@ -75,13 +75,14 @@ class Costs:
     def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
         lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
-        curve, lazy = self.verify, self.position * unscored(width, reach) if reach is not None else 0.0
+        curve = self.verify
         if not isinstance(curve, tuple):
-            return 1.0 + curve * (width - 1) - lazy
-        if width <= len(curve):
-            return curve[width - 1] - lazy
-        slope = max(0.0, curve[-1] - curve[-2]) if len(curve) > 1 else 0.0
-        return curve[-1] + slope * (width - len(curve)) - lazy
+            price = 1.0 + curve * (width - 1)
+        elif width <= len(curve):
+            price = curve[width - 1]
+        else:
+            price = curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
+        return price - (self.position * unscored(width, reach) if reach is not None else 0.0)
 
     def prefill_per_token(self) -> float:
         """The draft's encoding of one prompt token, in target steps."""

@@ -53,8 +53,8 @@ class RaggedBatch:
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
         self.mask = attention_mask if attention_mask is not None or batch == 1 else torch.ones_like(prompt)
-        # per active row, its real columns (mask ones), kept on the host: holes are counted without a device read
-        self.real = [prompt.shape[1]] * batch if attention_mask is None else attention_mask.sum(dim=1).tolist()
+        # `mask` on the host (read once, before any round), so holes are counted and compacted without a device read
+        self.host_mask = None if self.mask is None else self.mask.tolist()
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences
@@ -113,9 +113,10 @@ class RaggedBatch:
         self._prefixes = None
         m = draft_tokens.shape[1]
         self.ids = torch.cat([self.ids, draft_tokens, extra_tokens[:, None]], dim=1)
-        self.real = [real + n + 1 for real, n in zip(self.real, accepted)]
         if self.mask is None:  # batch of one: m == num_accepted, so no hole
             return
+        for row, n in zip(self.host_mask, accepted):
+            row += [1] * n + [0] * (m - n) + [1]
         positions = torch.arange(m, device=draft_tokens.device)
         kept = (positions[None, :] < num_accepted[:, None]).to(self.mask.dtype)  # [active, m]
         if min(accepted) < m:
@@ -133,8 +134,8 @@ class RaggedBatch:
         index = to_device(keep, self.ids.device)
         self.ids = self.ids[index]
         self.mask = None if self.mask is None else self.mask[index]
+        self.host_mask = None if self.host_mask is None else [self.host_mask[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
-        self.real = [self.real[i] for i in keep]
         select_rows(caches, index)
 
     def should_compact(self, caches: tuple[Cache | None, ...]) -> bool:
@@ -142,7 +143,7 @@ class RaggedBatch:
         batch whose caches allow gathering columns."""
         if self.mask is None or not self.size or not self._compactable:
             return False
-        holes = self.width - max(self.real)
+        holes = self.width - max(map(sum, self.host_mask))
         if holes < max(COMPACT_MIN_HOLES, self.width // 4):
             return False
         self._compactable = can_gather(caches)  # e.g. sliding-window layers: holes stay (correct, less efficient)
@@ -156,17 +157,17 @@ class RaggedBatch:
         self._prefixes = None
         # An empty cache (a draft that has not run yet) holds the empty prefix of any work sequence.
         live = [c for c in caches if c is not None and c.get_seq_length() > 0]
-        ends = sorted({c.get_seq_length() for c in live})
-        # each segment's widest row, read in one copy (compacting a segment leaves the later ones' columns as they were)
-        widths = torch.stack([self.mask[:, s:e].sum(dim=1).max() for s, e in zip([0] + ends, ends)]).tolist() if ends else []
         start, shift = 0, 0  # the segment's first column: in the sequence as it was, and as compacted so far
-        for end, width in zip(ends, widths):
+        for end in sorted({c.get_seq_length() for c in live}):
             a, b = shift, shift + end - start  # the segment's columns now
+            real = [sum(row[a:b]) for row in self.host_mask]  # each row's real columns there (host: no device read)
+            width = max(real)
             head = self.mask[:, a:b]
             order = torch.sort(head, dim=1, stable=True).indices[:, b - a - width :]  # each row's real columns, last
             gather_columns([c for c in live if c.get_seq_length() >= b], order, b, a)
             self.ids = torch.cat([self.ids[:, :a], self.ids[:, a:b].gather(1, order), self.ids[:, b:]], dim=1)
             self.mask = torch.cat([self.mask[:, :a], head.gather(1, order), self.mask[:, b:]], dim=1)
+            self.host_mask = [row[:a] + [0] * (width - n) + [1] * n + row[b:] for row, n in zip(self.host_mask, real)]
             start, shift = end, a + width
         self.ids_are_real = False
 
@@ -180,9 +181,11 @@ class RaggedBatch:
         extra = max(0, length - self.width)
         if self.mask is None:
             self.mask = torch.ones_like(self.ids)
+            self.host_mask = [[1] * self.width for _ in range(self.size)]
         if extra:
             self.ids = torch.nn.functional.pad(self.ids, (extra, 0), value=pad_token_id)
             self.mask = torch.nn.functional.pad(self.mask, (extra, 0), value=0)
+            self.host_mask = [[0] * extra + row for row in self.host_mask]
             self.ids_are_real = False
         return extra
 
@@ -194,7 +197,7 @@ class RaggedBatch:
         ids = torch.nn.functional.pad(prompt, (pad, 0), value=pad_token_id)[None]
         mask = torch.cat([self.mask.new_zeros(pad), self.mask.new_ones(prompt.shape[0])])[None]
         self.ids = torch.cat([self.ids, ids.to(self.ids.device)])
-        self.real.append(prompt.shape[0])
+        self.host_mask.append([0] * pad + [1] * prompt.shape[0])
         self.prompt_host.append(prompt.tolist())
         self.mask = torch.cat([self.mask, mask.to(self.ids.device)])
         self.ids_are_real = False
@@ -209,8 +212,8 @@ class RaggedBatch:
         """An empty batch drops its columns (the caches must be rolled back to 0 with it)."""
         self._prefixes = None
         self.ids = self.ids[:, :0]
-        self.real = []
         self.mask = self.mask[:, :0] if self.mask is not None else None
+        self.host_mask = None if self.host_mask is None else [[] for _ in self.host_mask]
 
     def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, longest prompt + longest generation]
         width = max(p.shape[0] for p in self.prompts)

@@ -12,9 +12,9 @@ With continuous batching, `admit(state)` lets waiting prompts join before each r
 Device reads: a round reads the device at most three times, each one copy: the draft's tokens and
 confidences (`DraftModelDrafter.propose`), the verdict (accepted counts and emitted tokens; for a
 tree every node's argmax), and the stopping criteria's answers. Everything else the planner and the
-lookups need is host data (`RaggedBatch` keeps each row's tokens on the host). On a CPU a few more
-reads make sampling cheaper (`sampling.reads_are_free`); an acceptance sink adds its own, and a
-batch round that compacts its holes one (`RaggedBatch.compact`).
+lookups need is host data (`RaggedBatch` keeps each row's tokens and its mask on the host, so a
+compaction reads nothing). On a CPU a few more reads make sampling cheaper (`sampling.reads_are_free`);
+an acceptance sink adds its own.
 """
 
 from __future__ import annotations

@@ -93,7 +93,9 @@ def replay_prompt(target, draft, prompt: dict, mode: str, seed: int, table: Cost
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return dict(id=prompt["id"], category=prompt["category"], mode=mode, method=method, seed=seed, new_tokens=len(tokens),
                 tokens=tokens, work=work, modelled_seconds=table.modelled_seconds(work, mode, ENGINES[method]),
-                choices=choices(rounds), rounds=len(rounds))
+                choices=choices(rounds), rounds=len(rounds),
+                log=[[r.source[0] + ("t" if r.parents is not None else "") + (r.retrieval[:1] if r.retrieval else ""),
+                      len(r.draft_tokens), r.num_accepted, len(r.emitted_tokens)] for r in rounds])
 
 
 def summarize(records: list[dict], replayed: list[dict], table: CostTable) -> tuple[str, dict]:
@@ -220,10 +222,11 @@ def main(argv=None) -> dict:
         for mode in args.modes:
             if args.retrieval_cache:
                 settings = {**settings, "retrieval_cache": hf_specdec.RetrievalCache()}
-            order = [r["id"] for r in records if r["method"] == "plain" and r["mode"] == mode
-                     and (args.ids is None or r["id"] in args.ids)]
+            order = [r["id"] for r in records if r["method"] == "plain" and r["mode"] == mode]
             plain = {r["id"]: r for r in records if r["method"] == "plain" and r["mode"] == mode}
             for seed, prompt_id in enumerate(order[: args.limit]):
+                if args.ids is not None and prompt_id not in args.ids:  # seeded as in the full replay
+                    continue
                 start = time.perf_counter()
                 record = replay_prompt(target, draft, by_id[prompt_id], mode, 1000 * args.seed_offset + seed, table,
                                        args.max_new_tokens, timers, settings, args.method)

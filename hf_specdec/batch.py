@@ -53,8 +53,10 @@ class RaggedBatch:
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
         self.mask = attention_mask if attention_mask is not None or batch == 1 else torch.ones_like(prompt)
-        # `mask` on the host (read once, before any round), so holes are counted and compacted without a device read
+        # `mask` on the host (read once, before any round), so holes are counted and compacted without a device read;
+        # `real`: per active row, its real columns (the ones in its mask), kept as a count
         self.host_mask = None if self.mask is None else self.mask.tolist()
+        self.real = [prompt.shape[1]] * batch if self.host_mask is None else [sum(row) for row in self.host_mask]
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences
@@ -113,6 +115,7 @@ class RaggedBatch:
         self._prefixes = None
         m = draft_tokens.shape[1]
         self.ids = torch.cat([self.ids, draft_tokens, extra_tokens[:, None]], dim=1)
+        self.real = [real + n + 1 for real, n in zip(self.real, accepted)]
         if self.mask is None:  # batch of one: m == num_accepted, so no hole
             return
         for row, n in zip(self.host_mask, accepted):
@@ -136,6 +139,7 @@ class RaggedBatch:
         self.mask = None if self.mask is None else self.mask[index]
         self.host_mask = None if self.host_mask is None else [self.host_mask[i] for i in keep]
         self.rows = [self.rows[i] for i in keep]
+        self.real = [self.real[i] for i in keep]
         select_rows(caches, index)
 
     def should_compact(self, caches: tuple[Cache | None, ...]) -> bool:
@@ -143,7 +147,7 @@ class RaggedBatch:
         batch whose caches allow gathering columns."""
         if self.mask is None or not self.size or not self._compactable:
             return False
-        holes = self.width - max(map(sum, self.host_mask))
+        holes = self.width - max(self.real)
         if holes < max(COMPACT_MIN_HOLES, self.width // 4):
             return False
         self._compactable = can_gather(caches)  # e.g. sliding-window layers: holes stay (correct, less efficient)
@@ -198,6 +202,7 @@ class RaggedBatch:
         mask = torch.cat([self.mask.new_zeros(pad), self.mask.new_ones(prompt.shape[0])])[None]
         self.ids = torch.cat([self.ids, ids.to(self.ids.device)])
         self.host_mask.append([0] * pad + [1] * prompt.shape[0])
+        self.real.append(prompt.shape[0])
         self.prompt_host.append(prompt.tolist())
         self.mask = torch.cat([self.mask, mask.to(self.ids.device)])
         self.ids_are_real = False
@@ -212,6 +217,7 @@ class RaggedBatch:
         """An empty batch drops its columns (the caches must be rolled back to 0 with it)."""
         self._prefixes = None
         self.ids = self.ids[:, :0]
+        self.real = []
         self.mask = self.mask[:, :0] if self.mask is not None else None
         self.host_mask = None if self.host_mask is None else [[] for _ in self.host_mask]
 

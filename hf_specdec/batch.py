@@ -53,9 +53,12 @@ class RaggedBatch:
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
         self.mask = attention_mask if attention_mask is not None or batch == 1 else torch.ones_like(prompt)
-        # `mask` on the host (read once, before any round), so holes are counted and compacted without a device read;
-        # `real`: per active row, its real columns (the ones in its mask), kept as a count
-        self.host_mask = None if self.mask is None else self.mask.tolist()
+        # `mask` on the host (the user's mask read once, before any round), so holes are counted and compacted
+        # without a device read; `real`: per active row, its real columns (the ones in its mask), kept as a count
+        if attention_mask is not None:
+            self.host_mask = attention_mask.tolist()
+        else:
+            self.host_mask = None if self.mask is None else [[1] * prompt.shape[1] for _ in range(batch)]
         self.real = [prompt.shape[1]] * batch if self.host_mask is None else [sum(row) for row in self.host_mask]
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
@@ -219,7 +222,7 @@ class RaggedBatch:
         self.ids = self.ids[:, :0]
         self.real = []
         self.mask = self.mask[:, :0] if self.mask is not None else None
-        self.host_mask = None if self.host_mask is None else [[] for _ in self.host_mask]
+        self.host_mask = None if self.host_mask is None else []
 
     def sequences(self, pad_token_id: int) -> torch.Tensor:  # [batch, longest prompt + longest generation]
         width = max(p.shape[0] for p in self.prompts)

@@ -172,6 +172,19 @@ def test_a_compaction_reads_nothing_from_the_device_whatever_its_segments(monkey
     assert all(reads == 0 for _, reads in seen), seen
 
 
+def test_an_unpadded_batch_copies_only_its_prompt_to_the_host(monkeypatch):
+    """Without a padding mask the host mask is built on the host: constructing the batch copies the
+    prompt (for lookups) and nothing else; with one, the user's mask is copied once too."""
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real(self))
+    prompt = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    batch = RaggedBatch(prompt, None, max_new_tokens=4)
+    assert len(reads) == 1 and batch.host_mask == [[1, 1, 1], [1, 1, 1]] and batch.real == [3, 3]
+    padded = RaggedBatch(prompt, torch.tensor([[0, 1, 1], [1, 1, 1]]), max_new_tokens=4)
+    assert len(reads) == 3 and padded.host_mask == [[0, 1, 1], [1, 1, 1]] and padded.real == [2, 3]
+
+
 def test_batch_of_one_row_with_padding_matches_plain():
     target = tiny_model("gpt2", seed=35)
     ids, mask = left_padded([[1, 2, 3]] + [[1, 2, 3, 4, 5]])

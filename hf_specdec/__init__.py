@@ -20,6 +20,7 @@ if _found < (5, 23):
         "pip install 'transformers>=5.23,<6' (evals/gpu_run.sh installs a carried wheel where nothing can be fetched)."
     )
 
+from .cache import UnsupportedCacheError
 from .config import Costs, SpeculativeConfig
 from .cpu import PackedLinear, pack_linears
 from .continuous import StreamError, StreamResult, generate_continuous
@@ -69,6 +70,7 @@ __all__ = [
     "StreamError",
     "StreamResult",
     "StreamerNotForwardedError",
+    "UnsupportedCacheError",
     "early_exit_draft",
     "greedy_tree_verification",
     "generate_continuous",

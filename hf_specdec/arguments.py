@@ -11,13 +11,14 @@ import sys
 from typing import Any
 
 import torch
-from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import check_cache
+from .cache import UnsupportedCacheError, check_cache
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .retrieval import RetrievalCache
@@ -64,6 +65,10 @@ def validate(
     streaming: bool = False,
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
+    if generation_config.max_length is None:
+        raise ValueError("the generation config has no max_length: speculative_generate takes the config that "
+                         "model.generate() prepares; call model.generate(input_ids, custom_generate="
+                         "hf_specdec.speculative_generate, assistant=draft, max_new_tokens=...)")
     if input_ids.shape[0] > 1 and streaming:
         raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     if assistant is None and candidate_generator is None:
@@ -73,7 +78,7 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    if generation_config.num_beams != 1:
+    if generation_config.num_beams not in (None, 1):
         raise ValueError(
             f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "
             "it implements greedy and multinomial sampling only."
@@ -102,8 +107,53 @@ def validate(
     if cached >= input_ids.shape[1]:
         raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
+    _validate_window(_validate_layers(model, "target"), input_ids, generation_config)
     if assistant is not None:
         _validate_assistant(model, assistant)
+        _validate_layers(assistant, "draft model (assistant)")
+
+
+def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | None) -> None:
+    """A cache holding ids the target cannot embed (text tokenized for another model, a saved cache
+    loaded beside another model) is named before the first forward, not met as an index error in it."""
+    vocab = model.get_output_embeddings().weight.shape[0]
+    if cache is not None and cache.max_token_id >= vocab:
+        raise ValueError(f"the retrieval_cache holds token id {cache.max_token_id}, outside the target's vocabulary of "
+                         f"{vocab} tokens: was it filled with another model's tokenizer?")
+
+
+def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
+    """The sliding windows of `model`'s cache layers; a named error for layers the loop cannot roll
+    back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
+    forward that follows a rollback)."""
+    layers = DynamicCache(config=model.config).layers
+    other = sorted({type(layer).__name__ for layer in layers if not isinstance(layer, (DynamicLayer, DynamicSlidingWindowLayer))})
+    if other:
+        raise UnsupportedCacheError(
+            f"the {who} has cache layers of type {', '.join(other)} (linear attention or another recurrent state): "
+            "hf_specdec rolls rejected tokens back by cutting cache columns, which needs attention layers "
+            "(full or sliding-window). Use plain generate() for this model.")
+    return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
+
+
+def _validate_window(windows: list[int], input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
+    """A batch leaves masked holes in the rows that accepted fewer tokens than another row. A full-
+    attention layer skips them; a sliding-window layer counts them in its window (columns, not real
+    tokens), so it would see fewer tokens than plain decoding and answer differently. A batch is taken
+    only while its widest possible work sequence fits in the narrowest window: each round widens it by
+    the tokens one row emitted, or, in the round that row finishes in, by at most the budget, so it is
+    at most the prompt plus twice every row's budget."""
+    rows = input_ids.shape[0]
+    if rows == 1 or not windows:
+        return
+    budget = max(0, (generation_config.max_length or 0) - input_ids.shape[1])
+    widest = input_ids.shape[1] + 2 * rows * budget
+    if widest > min(windows):
+        raise UnsupportedCacheError(
+            f"a batch of {rows} rows on a model with sliding-window attention (a window of {min(windows)} tokens): "
+            "rows that accept different numbers of tokens leave masked holes, which the window counts, so the "
+            f"output would differ from plain decoding once the batch is wider than the window (it can reach "
+            f"{widest} columns here). Generate one row at a time, or with fewer rows or new tokens.")
 
 
 class StreamerNotForwardedError(ValueError):
@@ -141,7 +191,7 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
 
 
 OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator", "spec_streamer",
-                            "speculative_config", "retrieval_cache"})
+                            "speculative_config", "retrieval_cache", "candidate_generator"})
 
 
 def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
@@ -150,6 +200,11 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
     calls it too, before it reads its first prompt."""
     _validate_arguments(kwargs.get("assistant"), kwargs.get("acceptance_sink"), kwargs.get("generator"),
                         kwargs.get("spec_streamer"), kwargs.get("speculative_config"))
+    generator = kwargs.get("candidate_generator")
+    if generator is not None and not isinstance(generator, (Drafter, CandidateGenerator)):
+        raise ValueError("candidate_generator must be a transformers CandidateGenerator or an hf_specdec Drafter, got "
+                         f"{type(generator).__name__}" + (" (a model: pass it as assistant=)"
+                                                          if isinstance(generator, torch.nn.Module) else ""))
     config = _resolve_config(kwargs.get("speculative_config"), **{k: kwargs[k] for k in SETTINGS if k in kwargs})
     cache = kwargs.get("retrieval_cache")
     if cache is not None:
@@ -163,8 +218,10 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
 
 def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:
     """Type checks of hf_specdec's own call arguments, before any model work."""
-    if assistant is not None and not isinstance(assistant, torch.nn.Module):
-        raise ValueError(f"assistant must be a transformers model (the draft), got {type(assistant).__name__}")
+    if assistant is not None and not (isinstance(assistant, torch.nn.Module) and hasattr(assistant, "config")
+                                      and callable(getattr(assistant, "get_output_embeddings", None))):
+        raise ValueError(f"assistant must be a transformers model (the draft, a PreTrainedModel with a language-model "
+                         f"head), got {type(assistant).__name__}")
     if acceptance_sink is not None and not (callable(acceptance_sink) or isinstance(acceptance_sink, (str, os.PathLike))):
         raise ValueError(f"acceptance_sink must be a callable or a file path, got {type(acceptance_sink).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
@@ -238,6 +295,9 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:
     if assistant.config.is_encoder_decoder:
         raise ValueError("the draft model (assistant) must be decoder-only.")
+    if assistant.get_output_embeddings() is None:
+        raise ValueError(f"the draft model (assistant) is a {type(assistant).__name__}, which has no language-model head "
+                         "and gives no token scores: load it with AutoModelForCausalLM, not AutoModel.")
     target_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = assistant.get_output_embeddings().weight.shape[0]
     if target_vocab != draft_vocab:

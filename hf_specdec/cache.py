@@ -43,8 +43,9 @@ def new_cache(model: torch.nn.Module) -> DynamicCache:
 
 
 def make_rollbackable(cache: Cache) -> Cache:
-    """Sliding-window and linear-attention layers drop old states eagerly; past recording makes them
-    keep what a later `rollback` needs (transformers' public `Cache.activate_past_recording`)."""
+    """Sliding-window layers drop old states eagerly; past recording makes them keep what a later
+    `rollback` needs (transformers' public `Cache.activate_past_recording`). Linear-attention layers
+    are refused before this (`arguments._validate_layers`): a forward after their rollback fails."""
     cache.activate_past_recording()
     return cache
 

@@ -5,7 +5,8 @@
     results[i].tokens, results[i].acceptance     # prompt i's generated tokens and statistics
 
 `prompts` is a list or any iterable of token id sequences (1-D tensors or lists of ints), or of
-mappings {"input_ids": ..., "max_new_tokens": n} for a budget of its own (a serving trace), read
+mappings {"input_ids": ..., "max_new_tokens": n} for a budget of its own (a serving trace; an
+"attention_mask" there drops the padding it marks, as a tokenizer's padded output has it), read
 lazily: an iterator may keep yielding prompts while generation runs, and may yield None for "nothing
 waiting now" (the loop asks again after the next round). The decode loop is `speculative_generate`
 itself, started through `model.generate()` on the first prompt; before every round, waiting prompts
@@ -130,7 +131,7 @@ class Requests:
                 if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
                     raise ValueError(f"prompt {self.admitted}: max_new_tokens must be a positive integer, got {budget!r}")
                 budget = int(budget)
-            item = item["input_ids"]
+            item = _unpadded(item, self.admitted)
         if isinstance(item, (str, bytes)):
             raise ValueError(f"prompt {self.admitted} is text; pass token ids (tokenize it first)")
         try:
@@ -256,6 +257,25 @@ class Requests:
             self._bar.close()
 
 
+def _unpadded(item: Mapping[str, Any], index: int) -> Any:
+    """A mapping's prompt ids, less the padding its `attention_mask` marks (a tokenizer's output for
+    one text of a padded batch): zeros only before or after the real tokens, never between them."""
+    ids, mask = item["input_ids"], item.get("attention_mask")
+    if mask is None:
+        return ids
+    try:
+        ids, mask = torch.as_tensor(ids).reshape(-1), torch.as_tensor(mask).reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise ValueError(f"prompt {index}: input_ids and attention_mask must be sequences of numbers: {error}") from None
+    if mask.shape != ids.shape:
+        raise ValueError(f"prompt {index}: attention_mask has {mask.numel()} entries but input_ids {ids.numel()}")
+    real = (mask != 0).nonzero()[:, 0].tolist()
+    if real and real[-1] - real[0] + 1 != len(real):
+        raise ValueError(f"prompt {index}: attention_mask has a hole between real tokens; only padding before or "
+                         "after the prompt can be dropped")
+    return ids[mask != 0]
+
+
 def _as_ids(item: Any) -> torch.Tensor:
     """A failed item's prompt for its result: its ids if they read as a 1-D integer tensor, else empty."""
     try:
@@ -295,6 +315,9 @@ def generate_continuous(
         raise ValueError(f"progress must be True or False, got {progress!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
+    if "attention_mask" in generate_kwargs:
+        raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
+                         "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
     if "streamer" in generate_kwargs or "spec_streamer" in generate_kwargs:
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
     check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read

@@ -24,7 +24,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .arguments import OWN_ARGUMENTS, StreamerNotForwardedError, check_arguments, continuous_settings, refuse_dropped_streamer, validate
+from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, check_arguments, continuous_settings, refuse_dropped_streamer,
+                        validate, validate_retrieval_cache)
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, make_rollbackable, new_cache, rollback
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
@@ -87,10 +88,13 @@ def speculative_generate(
     `requests` (continuous batching); docs/usage.md documents each. Returns the
     sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
     config = check_arguments({k: v for k, v in locals().items() if k in OWN_ARGUMENTS})  # before any model work
+    logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor  # a direct call's None
+    stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
     if streamer is None:
         refuse_dropped_streamer(spec_streamer)
     validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
              streaming=streamer is not None or spec_streamer is not None)
+    validate_retrieval_cache(model, retrieval_cache)
     if requests is not None:
         config, stopping_criteria = continuous_settings(config, logits_processor, stopping_criteria, candidate_generator,
                                                         input_ids, streamer or spec_streamer)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import sys
 import threading
 from collections import deque
@@ -69,6 +70,15 @@ def _check_token(token) -> int:
     if isinstance(token, bool) or not isinstance(token, int) or token < 0:
         raise ValueError(f"RetrievalCache: token ids must be integers >= 0, got {token!r}")
     return token
+
+
+def _token_id(token) -> int:
+    """An integer token id (an int, a numpy integer, a 0-d integer tensor), never a rounded float or a character."""
+    try:
+        return _check_token(operator.index(token))
+    except TypeError:
+        raise ValueError(f"RetrievalCache: token ids must be integers >= 0, got {token!r} "
+                         "(pass token ids, e.g. tokenizer(text).input_ids, not text or floats)") from None
 
 
 class _Finished:
@@ -181,6 +191,7 @@ class RetrievalCache:
         # P(a token it proposes is accepted), per match size: learned by every call that uses the cache
         # (each call's planner holds this object), so a later call starts from what earlier ones saw
         self.acceptance = MatchAcceptance()
+        self.max_token_id = -1  # the largest id ever held (checked against a model's vocabulary before a call)
 
     # ------------------------------------------------------------------ adding
 
@@ -188,7 +199,7 @@ class RetrievalCache:
         """One finished sequence (an output, or a document of a corpus), after the last `self.context`
         tokens of `context` (the prompt it answered)."""
         with self._lock:
-            self._add([*self._tail(context), *(int(t) for t in tokens)])
+            self._add([*self._tail(context), *(_token_id(t) for t in tokens)])
 
     def open(self, key: object, context: Sequence[int] = ()) -> None:
         """Start a sequence that grows round by round (a row being generated), under `key`; other rows
@@ -198,13 +209,16 @@ class RetrievalCache:
                 raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
             self._open.tokens[key] = []
             for token in self._tail(context):
+                self.max_token_id = max(self.max_token_id, token)
                 self._open.push(key, token)
 
     def extend(self, key: object, tokens: Sequence[int]) -> None:
         """Append tokens to the open sequence `key`."""
         with self._lock:
             for token in tokens:
-                self._open.push(key, int(token))
+                token = _token_id(token)
+                self.max_token_id = max(self.max_token_id, token)
+                self._open.push(key, token)
 
     def close(self, key: object) -> None:
         """The open sequence `key` is finished and joins the finished ones."""
@@ -283,12 +297,13 @@ class RetrievalCache:
     # ------------------------------------------------------------------ internals
 
     def _tail(self, context: Sequence[int]) -> list[int]:
-        context = [int(t) for t in context]
+        context = [_token_id(t) for t in context]
         return context[len(context) - self.context :] if self.context else []
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:
             return
+        self.max_token_id = max(self.max_token_id, max(tokens))
         self._finished.add(tokens)
         self._lengths.append(len(tokens) + 1)
         if len(self._finished.tokens) > self.max_tokens:

@@ -210,3 +210,32 @@ def test_a_batchs_cold_draft_runs_only_where_its_prefill_pays(arch):
     short = spec(target, draft, ids, mask, max_new_tokens=4, return_dict_in_generate=True, **costs)
     assert torch.equal(short.sequences, plain[:, : ids.shape[1] + 4])
     assert short.acceptance.draft_forwards == 0  # four tokens a row never pay a 300-column prefill
+
+
+def _sliding(window: int):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.3, bos_token_id=1,
+                           eos_token_id=None, pad_token_id=0, sliding_window=window)
+    model = MistralForCausalLM(config).eval()
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    return model
+
+
+def test_a_batch_on_a_sliding_window_model_is_exact_or_refused_by_name():
+    """Rows that accept fewer tokens than another keep masked holes, which a sliding window counts (it
+    spans columns): a batch that could outgrow the window is refused by name (without the check, this
+    batch's rows differ from plain batched greedy); one that cannot, and any single row, are exact."""
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3] * 2, [3, 7, 2, 9, 5, 1] * 2])
+    narrow = _sliding(8)
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="sliding-window attention .*window of 8 tokens"):
+        spec(narrow, perturbed(narrow, 0.3), ids, None, do_sample=False, max_new_tokens=30)
+    for row in ids:  # one row at a time is exact, the window sliding many times over
+        plain = narrow.generate(row[None], do_sample=False, max_new_tokens=40)
+        assert torch.equal(spec(narrow, perturbed(narrow, 0.3), row[None], None, do_sample=False, max_new_tokens=40),
+                           plain)
+    wide = _sliding(200)  # 12 + 2 x 2 x 30 = 132 columns at most: the window never slides
+    plain = wide.generate(ids, do_sample=False, max_new_tokens=30)
+    assert torch.equal(spec(wide, perturbed(wide, 0.3), ids, None, do_sample=False, max_new_tokens=30), plain)

@@ -204,3 +204,22 @@ def test_continuous_batching_refuses_what_it_cannot_do():
     sliding = MistralForCausalLM(config).eval()
     with pytest.raises(UnsupportedCacheError, match="full-attention"):
         hf_specdec.generate_continuous(sliding, [[1, 2, 3]], assistant=perturbed(sliding, 0.5), max_new_tokens=3)
+
+
+def test_a_prompts_attention_mask_drops_its_padding():
+    """A mapping with a tokenizer's padded `attention_mask`: the padding it marks is dropped (it was
+    read as prompt tokens), so the row equals plain greedy on the unpadded prompt; a mask given as an
+    argument is refused by name (it was a TypeError)."""
+    target = tiny_model("llama", seed=1, eos=4)
+    draft = perturbed(target, 0.5)
+    items = [{"input_ids": [0, 0, 1, 5, 9], "attention_mask": [0, 0, 1, 1, 1]},
+             {"input_ids": [1, 5, 9, 2, 0], "attention_mask": [1, 1, 1, 1, 0]},
+             {"input_ids": [1, 0, 9], "attention_mask": [1, 0, 1]}]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_new_tokens=6, do_sample=False)
+    for result, real in zip(results[:2], ([1, 5, 9], [1, 5, 9, 2])):
+        plain = target.generate(torch.tensor([real]), max_new_tokens=6, do_sample=False)[0, len(real):]
+        assert result.ok and result.tokens.tolist() == plain.tolist()
+    assert not results[2].ok and "hole between real tokens" in str(results[2].error)
+    with pytest.raises(ValueError, match="takes no attention_mask argument"):
+        hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=3,
+                                       attention_mask=torch.ones(1, 3))

@@ -427,3 +427,36 @@ def test_draft_candidate_generator_follows_the_contract_and_is_a_drafter():
         seq = torch.cat([seq, drafts[None, :n], best[None, n : n + 1]], dim=1)
         generator.update_candidate_strategy(seq, None, n)
     assert torch.equal(seq[:, : plain.shape[1]], plain)
+
+
+def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
+    """Each refused before any forward with an error naming it, where it used to fail deep inside
+    (an AttributeError, an embedding's IndexError, a TypeError in a linear-attention forward)."""
+    from transformers import LlamaModel, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    target = tiny_model("llama", seed=14)
+    with pytest.raises(ValueError, match="LlamaModel, which has no language-model head"):
+        spec(target, LlamaModel(target.config), max_new_tokens=3)
+    with pytest.raises(ValueError, match="assistant must be a transformers model.*got Linear"):
+        spec(target, torch.nn.Linear(3, 3), max_new_tokens=3)
+    with pytest.raises(ValueError, match="candidate_generator must be .*got LlamaForCausalLM .*pass it as assistant="):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=target,
+                        max_new_tokens=3)
+    cache = hf_specdec.RetrievalCache()
+    cache.add([2, 7, 3, 100, 200] * 3)  # ids of another tokenizer
+    with pytest.raises(ValueError, match="retrieval_cache holds token id 200, outside the target's vocabulary of 64"):
+        spec(target, target, max_new_tokens=3, retrieval_cache=cache, ngram=True, adaptive=True)
+    for bad in ([1.5, 2.0], "text"):
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            hf_specdec.RetrievalCache().add(bad)
+    torch.manual_seed(0)
+    config = Qwen3NextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, linear_num_value_heads=4, linear_num_key_heads=2,
+                             linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                             moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                             layer_types=["linear_attention", "full_attention"], pad_token_id=0)
+    linear = Qwen3NextForCausalLM(config).eval()
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="the target has cache layers of type LinearAttentionLayer"):
+        spec(linear, linear, max_new_tokens=3)
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match=r"the draft model \(assistant\) has cache layers of type Lin"):
+        spec(target, linear, max_new_tokens=3)

@@ -100,6 +100,7 @@ def validate(
         )
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids)
+    _validate_positions(model_kwargs.get("position_ids"), model_kwargs.get("attention_mask"), input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
     check_cache(model_kwargs.get("cache"), "target")
@@ -251,6 +252,20 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> Non
             "as transformers' decoder-only generation does; set tokenizer.padding_side = 'left'"
             + (f" ({len(bad)} rows affected)" if len(bad) > 1 else "")
         )
+
+
+def _validate_positions(positions: torch.Tensor | None, mask: torch.Tensor | None, input_ids: torch.Tensor) -> None:
+    """generate() always passes position_ids, derived from the mask; the loop derives them the same way
+    at every forward. Positions of the user's own (a model that reads them, GPT-2, would use them in
+    plain decoding) would be dropped: refused."""
+    if not isinstance(positions, torch.Tensor) or positions.shape != input_ids.shape:
+        return
+    real = torch.ones_like(input_ids, dtype=torch.bool) if mask is None else mask.bool()
+    derived = (real.long().cumsum(-1) - 1).clamp(min=0)
+    if not torch.equal(positions.to(derived.device)[real], derived[real]):
+        raise ValueError("position_ids other than those the attention mask gives (0, 1, 2, ... from each row's first "
+                         "real token): hf_specdec derives positions from the mask at every forward, as generate() "
+                         "does by default, and would drop these. Generate without position_ids.")
 
 
 # What generate() puts in model_kwargs for a text prompt, all of which the loop handles itself:

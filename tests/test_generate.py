@@ -320,6 +320,9 @@ def test_errors_name_the_problem():
     gpt2 = tiny_model("gpt2", seed=14)
     with pytest.raises(ValueError, match="got token_type_ids"):
         spec(gpt2, gpt2, max_new_tokens=3, token_type_ids=torch.zeros_like(PROMPT))
+    with pytest.raises(ValueError, match="position_ids other than those the attention mask gives"):  # GPT-2 reads them
+        spec(gpt2, gpt2, max_new_tokens=3, position_ids=torch.arange(5, 5 + PROMPT.shape[1])[None])
+    spec(gpt2, gpt2, max_new_tokens=3, position_ids=torch.arange(PROMPT.shape[1])[None])  # the default, spelt out
     with pytest.raises(ValueError, match="inputs_embeds is not supported"):
         target.generate(inputs_embeds=target.get_input_embeddings()(PROMPT), custom_generate=hf_specdec.speculative_generate,
                         assistant=target, max_new_tokens=3)

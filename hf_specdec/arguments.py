@@ -73,8 +73,10 @@ def validate(
         raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     if assistant is None and candidate_generator is None:
         raise ValueError(
-            "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() "
-            "(transformers consumes `assistant_model=` itself before a custom_generate callable sees it)."
+            "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() with "
+            "custom_generate=hf_specdec.speculative_generate (transformers consumes `assistant_model=` itself before "
+            "a custom_generate callable sees it), or `assistant_model=draft_model` with the directory form "
+            "(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True)."
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
@@ -84,7 +86,9 @@ def validate(
             "it implements greedy and multinomial sampling only."
         )
     if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError("hf_specdec does not support num_return_sequences > 1 yet.")
+        raise ValueError("hf_specdec does not support num_return_sequences > 1; for n samples of a prompt, repeat its "
+                         "row (input_ids.repeat_interleave(n, dim=0), and the mask): rows of one call retrieve from each "
+                         "other's text.")
     if input_ids.shape[0] != 1 and candidate_generator is not None and not isinstance(candidate_generator, Drafter):
         raise ValueError(
             f"a custom candidate_generator runs one row at a time, got a batch of {input_ids.shape[0]} rows."
@@ -246,7 +250,9 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> Non
     empty = ~mask.any(dim=1)
     bad = (padding_after_a_token | empty).nonzero()[:, 0].tolist()
     if bad:
-        what = "has no real token" if bool(empty[bad[0]]) else "has padding after its tokens (right padding)"
+        hole = bool(mask[bad[0], int(mask[bad[0]].int().argmax()):].int().diff().eq(1).any())  # a 0 then a 1 again
+        what = ("has no real token" if bool(empty[bad[0]]) else "has padding between its tokens" if hole
+                else "has padding after its tokens (right padding)")
         raise ValueError(
             f"attention_mask row {bad[0]} {what}: hf_specdec needs left-padded batches (zeros, then the prompt), "
             "as transformers' decoder-only generation does; set tokenizer.padding_side = 'left'"

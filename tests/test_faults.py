@@ -231,6 +231,9 @@ def test_a_right_padded_batch_is_refused_by_name(models):
     with pytest.raises(ValueError, match="right padding.*padding_side = 'left'"):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                         custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    with pytest.raises(ValueError, match="row 1 has padding between its tokens"):  # a hole, not right padding
+        target.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]]), max_new_tokens=4,
+                        custom_generate=hf_specdec.speculative_generate, assistant=draft)
     left = torch.tensor([[1, 5, 7, 9], [0, 0, 1, 5]])  # left padding still runs
     target.generate(left, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), max_new_tokens=4,
                     do_sample=False, custom_generate=hf_specdec.speculative_generate, assistant=draft)

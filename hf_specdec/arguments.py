@@ -65,10 +65,7 @@ def validate(
     streaming: bool = False,
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
-    if generation_config.max_length is None:
-        raise ValueError("the generation config has no max_length: speculative_generate takes the config that "
-                         "model.generate() prepares; call model.generate(input_ids, custom_generate="
-                         "hf_specdec.speculative_generate, assistant=draft, max_new_tokens=...)")
+    _validate_strategy(generation_config, synced_gpus)
     if input_ids.shape[0] > 1 and streaming:
         raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
     if assistant is None and candidate_generator is None:
@@ -80,27 +77,9 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    if generation_config.num_beams not in (None, 1):
-        raise ValueError(
-            f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "
-            "it implements greedy and multinomial sampling only."
-        )
-    if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError("hf_specdec does not support num_return_sequences > 1; for n samples of a prompt, repeat its "
-                         "row (input_ids.repeat_interleave(n, dim=0), and the mask): rows of one call retrieve from each "
-                         "other's text.")
     if input_ids.shape[0] != 1 and candidate_generator is not None and not isinstance(candidate_generator, Drafter):
         raise ValueError(
             f"a custom candidate_generator runs one row at a time, got a batch of {input_ids.shape[0]} rows."
-        )
-    if synced_gpus:
-        raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
-    for flag in ("output_attentions", "output_hidden_states"):
-        if generation_config.return_dict_in_generate and getattr(generation_config, flag):
-            raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(
-            f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids)
@@ -116,6 +95,32 @@ def validate(
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
+
+
+def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -> None:
+    """What the generation config asks for that this loop does not do."""
+    if generation_config.max_length is None:
+        raise ValueError("the generation config has no max_length: speculative_generate takes the config that "
+                         "model.generate() prepares; call model.generate(input_ids, custom_generate="
+                         "hf_specdec.speculative_generate, assistant=draft, max_new_tokens=...)")
+    if generation_config.num_beams not in (None, 1):
+        raise ValueError(
+            f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "
+            "it implements greedy and multinomial sampling only."
+        )
+    if generation_config.num_return_sequences not in (None, 1):
+        raise ValueError("hf_specdec does not support num_return_sequences > 1; for n samples of a prompt, repeat its "
+                         "row (input_ids.repeat_interleave(n, dim=0), and the mask): rows of one call retrieve from each "
+                         "other's text.")
+    if synced_gpus:
+        raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+    for flag in ("output_attentions", "output_hidden_states"):
+        if generation_config.return_dict_in_generate and getattr(generation_config, flag):
+            raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise ValueError(
+            f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
+        )
 
 
 def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | None) -> None:

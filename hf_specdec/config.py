@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass, fields
 from typing import Sequence
 
@@ -128,7 +129,15 @@ class SpeculativeConfig:
         return self.draft_window
 
     def __post_init__(self) -> None:
-        # Types first (a bool is not a number here, though Python says True == 1), then ranges.
+        # Types first (a bool is not a number here, though Python says True == 1), then ranges. An integer of
+        # numpy or torch (a sweep's value) is taken as the int it is.
+        for name in ("num_draft_tokens", "tree_max_nodes", "ngram_min_size", "draft_window"):
+            value = getattr(self, name)
+            if not isinstance(value, (bool, int, str, type(None))) and hasattr(value, "__index__"):
+                try:
+                    object.__setattr__(self, name, operator.index(value))
+                except TypeError:  # a float tensor, an array of several numbers: left for the checks below
+                    pass
         for name in ("num_draft_tokens", "tree_max_nodes"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("ngram_min_size", self.ngram_min_size, minimum=1)

@@ -454,6 +454,12 @@ def test_speculative_config_and_bad_values():
     default = hf_specdec.SpeculativeConfig()  # 1-gram matches in tree rounds only; an explicit value everywhere
     assert default.ngram_min_size == 1  # in trees and chains: a 1-token match is priced by its own acceptance
     assert len(hf_specdec.config.SETTINGS) <= 12
+    import numpy as np  # a sweep's integers are taken as the ints they are; a float is not a number of tokens
+
+    swept = hf_specdec.SpeculativeConfig(num_draft_tokens=np.int64(3), draft_window=torch.tensor(64))
+    assert (swept.num_draft_tokens, swept.draft_window) == (3, 64) and type(swept.num_draft_tokens) is int
+    with pytest.raises(ValueError, match="num_draft_tokens must be a positive integer"):
+        hf_specdec.SpeculativeConfig(num_draft_tokens=np.float64(3.0))
 
 
 def test_a_removed_keyword_is_refused_by_name():

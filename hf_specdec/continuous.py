@@ -264,11 +264,12 @@ def _unpadded(item: Mapping[str, Any], index: int) -> Any:
     if mask is None:
         return ids
     try:
-        ids, mask = torch.as_tensor(ids).reshape(-1), torch.as_tensor(mask).reshape(-1)
+        ids, mask = (t[0] if t.dim() == 2 and t.shape[0] == 1 else t for t in map(torch.as_tensor, (ids, mask)))
     except (TypeError, ValueError, RuntimeError) as error:
         raise ValueError(f"prompt {index}: input_ids and attention_mask must be sequences of numbers: {error}") from None
-    if mask.shape != ids.shape:
-        raise ValueError(f"prompt {index}: attention_mask has {mask.numel()} entries but input_ids {ids.numel()}")
+    if ids.dim() != 1 or mask.shape != ids.shape:
+        raise ValueError(f"prompt {index}: input_ids must be one sequence with an attention_mask of its shape, got "
+                         f"{tuple(ids.shape)} and {tuple(mask.shape)}")
     real = (mask != 0).nonzero()[:, 0].tolist()
     if real and real[-1] - real[0] + 1 != len(real):
         raise ValueError(f"prompt {index}: attention_mask has a hole between real tokens; only padding before or "

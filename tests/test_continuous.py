@@ -214,12 +214,14 @@ def test_a_prompts_attention_mask_drops_its_padding():
     draft = perturbed(target, 0.5)
     items = [{"input_ids": [0, 0, 1, 5, 9], "attention_mask": [0, 0, 1, 1, 1]},
              {"input_ids": [1, 5, 9, 2, 0], "attention_mask": [1, 1, 1, 1, 0]},
-             {"input_ids": [1, 0, 9], "attention_mask": [1, 0, 1]}]
+             {"input_ids": [1, 0, 9], "attention_mask": [1, 0, 1]},
+             {"input_ids": [[1, 5], [1, 6]], "attention_mask": [[1, 1], [1, 1]]}]  # two sequences, not one
     results = hf_specdec.generate_continuous(target, items, assistant=draft, max_new_tokens=6, do_sample=False)
     for result, real in zip(results[:2], ([1, 5, 9], [1, 5, 9, 2])):
         plain = target.generate(torch.tensor([real]), max_new_tokens=6, do_sample=False)[0, len(real):]
         assert result.ok and result.tokens.tolist() == plain.tolist()
     assert not results[2].ok and "hole between real tokens" in str(results[2].error)
+    assert not results[3].ok and "must be one sequence" in str(results[3].error)
     with pytest.raises(ValueError, match="takes no attention_mask argument"):
         hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=3,
                                        attention_mask=torch.ones(1, 3))

@@ -66,19 +66,17 @@ def _follows(tokens: list[int], end: int, max_tokens: int) -> list[int]:
     return out
 
 
-def _check_token(token) -> int:
-    if isinstance(token, bool) or not isinstance(token, int) or token < 0:
-        raise ValueError(f"RetrievalCache: token ids must be integers >= 0, got {token!r}")
-    return token
-
-
 def _token_id(token) -> int:
-    """An integer token id (an int, a numpy integer, a 0-d integer tensor), never a rounded float or a character."""
+    """An integer token id >= 0 (an int, a numpy integer, a 0-d integer tensor), never a rounded float,
+    a bool or a character."""
     try:
-        return _check_token(operator.index(token))
+        value = None if isinstance(token, bool) else operator.index(token)
     except TypeError:
+        value = None
+    if value is None or value < 0:
         raise ValueError(f"RetrievalCache: token ids must be integers >= 0, got {token!r} "
-                         "(pass token ids, e.g. tokenizer(text).input_ids, not text or floats)") from None
+                         "(pass token ids, e.g. tokenizer(text).input_ids, not text or floats)")
+    return value
 
 
 class _Finished:
@@ -92,7 +90,7 @@ class _Finished:
 
     def add(self, sequence: list[int]) -> None:
         for token in sequence:
-            self.tokens.append(_check_token(token))
+            self.tokens.append(token)
             end = len(self.tokens)
             for n in range(1, min(self.index_ngram, end) + 1):
                 if self.tokens[end - n] == SEPARATOR:
@@ -123,7 +121,7 @@ class _Open:
 
     def push(self, key: object, token: int) -> None:
         tokens = self.tokens[key]
-        tokens.append(_check_token(token))
+        tokens.append(token)
         end = len(tokens)
         for n in range(1, min(self.index_ngram, end) + 1):
             self.index.setdefault(tuple(tokens[end - n : end]), []).append((key, end))
@@ -199,7 +197,7 @@ class RetrievalCache:
         """One finished sequence (an output, or a document of a corpus), after the last `self.context`
         tokens of `context` (the prompt it answered)."""
         with self._lock:
-            self._add([*self._tail(context), *(_token_id(t) for t in tokens)])
+            self._add([*self._tail(context), *self._ids(tokens)])
 
     def open(self, key: object, context: Sequence[int] = ()) -> None:
         """Start a sequence that grows round by round (a row being generated), under `key`; other rows
@@ -209,15 +207,12 @@ class RetrievalCache:
                 raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
             self._open.tokens[key] = []
             for token in self._tail(context):
-                self.max_token_id = max(self.max_token_id, token)
                 self._open.push(key, token)
 
     def extend(self, key: object, tokens: Sequence[int]) -> None:
         """Append tokens to the open sequence `key`."""
         with self._lock:
-            for token in tokens:
-                token = _token_id(token)
-                self.max_token_id = max(self.max_token_id, token)
+            for token in self._ids(tokens):
                 self._open.push(key, token)
 
     def close(self, key: object) -> None:
@@ -291,19 +286,25 @@ class RetrievalCache:
         cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
         with cache._lock:
             for tokens in data["sequences"]:
-                cache._add([int(t) for t in tokens])
+                cache._add(cache._ids(tokens))
         return cache
 
     # ------------------------------------------------------------------ internals
 
+    def _ids(self, tokens: Iterable[int]) -> list[int]:
+        """Checked ids (`_token_id`), where every token enters the store; the largest is remembered."""
+        ids = [_token_id(t) for t in tokens]
+        self.max_token_id = max([self.max_token_id, *ids])
+        return ids
+
     def _tail(self, context: Sequence[int]) -> list[int]:
-        context = [_token_id(t) for t in context]
-        return context[len(context) - self.context :] if self.context else []
+        """The last `self.context` tokens of a prompt, the ones stored."""
+        context = list(context)
+        return self._ids(context[len(context) - self.context :]) if self.context else []
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:
             return
-        self.max_token_id = max(self.max_token_id, max(tokens))
         self._finished.add(tokens)
         self._lengths.append(len(tokens) + 1)
         if len(self._finished.tokens) > self.max_tokens:

@@ -21,6 +21,7 @@ it: that would quantize the target's layers too).
 from __future__ import annotations
 
 import copy
+import operator
 
 from torch import nn
 from transformers import PreTrainedModel
@@ -56,7 +57,12 @@ def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     """A draft that runs the first `num_layers` decoder layers of `model`, then its final norm and
     output head, sharing every weight with `model` (which is left unchanged)."""
     base, name, layers = decoder_layers(model)
-    if not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
+    if not isinstance(num_layers, bool) and hasattr(num_layers, "__index__"):
+        try:
+            num_layers = operator.index(num_layers)  # a numpy or torch integer (a sweep's value)
+        except TypeError:  # a float tensor: refused below
+            pass
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be an integer from 1 to {len(layers)} (the target's layers), got {num_layers!r}")
     config = copy.deepcopy(model.config)
     config.num_hidden_layers = num_layers

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -55,6 +56,10 @@ def test_early_exit_shares_every_weight_and_refuses_in_place_quantization():
         hf_specdec.quantize_weights(draft, 8)
     with pytest.raises(ValueError, match="num_layers must be an integer from 1 to 4"):
         hf_specdec.early_exit_draft(target, 5)
+    for bad in (True, 2.0, "2"):  # a bool is not a layer count (Python says True == 1)
+        with pytest.raises(ValueError, match="num_layers must be an integer"):
+            hf_specdec.early_exit_draft(target, bad)
+    assert hf_specdec.early_exit_draft(target, np.int64(2)).config.num_hidden_layers == 2
 
 
 def test_greedy_identity_with_a_self_draft(arch):

@@ -117,7 +117,7 @@ class CostCurve:
                 columns: int = 0) -> None:
         """One round's target forward over `width` new tokens (`columns` fed) and `draft_steps` timed
         draft steps. The first round's (the prompt's encoding) sets d0 and the draft's prefill price."""
-        self.rounds += 1
+        self.rounds, seconds = self.rounds + 1, max(seconds, 1e-9)  # a clock that read 0: never divided by
         if self.pinned is not None:
             return
         if self.rounds == 1:

@@ -116,6 +116,15 @@ def test_the_verify_slope_is_measured_from_the_prompt_and_one_step_before_anythi
     assert "little can pay" in told.describe() and "little can pay" not in fast.estimates().describe()
 
 
+def test_a_clock_that_reads_zero_divides_by_nothing():
+    """A forward timed at 0 s (a coarse or mocked clock) prices like a very fast one, never a ZeroDivisionError."""
+    curve = CostCurve(None)
+    for width in (9, 1, 1, 1, 1, 3, 3, 3, 3):
+        curve.observe(width, 0.0, draft_steps=2, draft_seconds=0.0, columns=width)
+    prices = [curve.verify_price(w) for w in (1, 2, 3, 5)] + [curve.prefill(10), curve.draft_step]
+    assert all(math.isfinite(p) and p >= 0 for p in prices) and curve.verify_price(1) > 0
+
+
 def test_each_width_is_priced_by_its_own_time_once_timed_and_the_line_prices_the_rest():
     """A CPU's kernels need not cost more for more tokens (the packed 1.5B target: 2 tokens 1.2
     steps, 5 tokens 0.9): once a width was timed TIMED times its own mean prices it."""

@@ -14,7 +14,8 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 from transformers.generation.candidate_generator import CandidateGenerator
-from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor
+from transformers.generation.logits_process import (ExponentialDecayLengthPenalty, ForcedEOSTokenLogitsProcessor,
+                                                    MinNewTokensLengthLogitsProcessor, SuppressTokensAtBeginLogitsProcessor)
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
@@ -36,6 +37,13 @@ def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> Specula
 
 
 
+# Processors built from the first prompt's length or max_length: wrong for every prompt that joins later.
+PER_PROMPT_PROCESSORS = ((MinNewTokensLengthLogitsProcessor, "min_new_tokens"),
+                         (SuppressTokensAtBeginLogitsProcessor, "begin_suppress_tokens"),
+                         (ForcedEOSTokenLogitsProcessor, "forced_eos_token_id"),
+                         (ExponentialDecayLengthPenalty, "exponential_decay_length_penalty"))
+
+
 def continuous_settings(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer):
     """Continuous batching's checks and settings: (config, stopping criteria)."""
     if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
@@ -45,9 +53,10 @@ def continuous_settings(config, logits_processor, stopping_criteria, candidate_g
         raise ValueError("streamers take one row; continuous batching runs many")
     if input_ids.shape[0] != 1:
         raise ValueError("continuous batching starts from one prompt (the others join as it runs)")
-    if any(isinstance(p, MinNewTokensLengthLogitsProcessor) for p in logits_processor or []):
-        raise ValueError("min_new_tokens counts from one prompt length in transformers' processor; "
-                         "continuous batching has many (use min_length, or one generate call per prompt)")
+    for kind, setting in PER_PROMPT_PROCESSORS:
+        if any(isinstance(p, kind) for p in logits_processor or []):
+            raise ValueError(f"{setting} counts from one prompt's length in transformers' processor; continuous "
+                             "batching has many prompts (one generate call per prompt can use it)")
     # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
     config = dataclasses.replace(config, tree=False, draft_window=None)
     stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])

@@ -30,7 +30,9 @@ complete result (`.results`) and which requests never started (`.first_not_start
 plain `generate()` would give it alone.
 
 Not for: sliding-window or linear-attention models (rows join by gathering cache columns), a
-`draft_window`, trees (batches use chains), streamers, `min_new_tokens`.
+`draft_window`, trees (batches use chains), streamers, and the processors that count from one
+prompt's length (`min_new_tokens`, `begin_suppress_tokens`, `forced_eos_token_id`,
+`exponential_decay_length_penalty`; `min_length` counts per row and works).
 """
 
 from __future__ import annotations

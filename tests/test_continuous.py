@@ -194,6 +194,12 @@ def test_continuous_batching_refuses_what_it_cannot_do():
     assert not result.ok and "1-D" in str(result.error)  # a bad prompt fails alone (tests/test_faults.py)
     with pytest.raises(ValueError, match="min_new_tokens"):
         hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=3, min_new_tokens=2, eos_token_id=3)
+    # the other processors built from the first prompt's length: later prompts would be cut or suppressed wrongly
+    for setting, value in (("begin_suppress_tokens", [4]), ("forced_eos_token_id", 6),
+                           ("exponential_decay_length_penalty", (3, 3.0))):
+        with pytest.raises(ValueError, match=setting):
+            hf_specdec.generate_continuous(target, [[1, 5, 9], [2, 7, 3, 4]], assistant=draft, max_new_tokens=12,
+                                           eos_token_id=6, **{setting: value})
     with pytest.raises(ValueError, match="draft_vocab_size"):
         hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=3, draft_vocab_size=16)
     with pytest.raises(ValueError, match="streamer"):

@@ -21,7 +21,8 @@ prompt. Exact per prompt: every row is verified by the same rule as in a static 
 rows equal plain greedy on that prompt alone, sampled rows have the target's law for that prompt.
 
 Faults stay with their request: a prompt that cannot be served (token ids outside the vocabulary, a
-shape that is not one sequence, a bad budget, no room left in the target's positions) or whose row makes a stopping criterion raise gets a
+shape that is not one sequence, a bad budget, a prompt longer than `max_length`, no room left in a table
+of learned positions, as GPT-2's: a row that would run past its last stops there) or whose row makes a stopping criterion raise gets a
 `StreamResult` whose `error` holds the exception (tokens generated before it, if any), and every other
 prompt completes. If the prompt source or `on_result` raises, no prompt joins after that, the rows
 already running finish, and a `StreamError` is raised from the original exception, carrying every
@@ -101,10 +102,11 @@ class Requests:
         vocab_size: int | None = None,
         default_length: bool = False,  # nobody set max_length: plain generate()'s default budget per prompt
         max_positions: int | None = None,  # the target's positions (caps that default)
+        learned_positions: bool = False,  # a table of absolute positions (GPT-2): none exists past max_positions
     ):
         self.max_batch_size = max_batch_size
         self.device, self.vocab_size = device, vocab_size
-        self.default_length, self.max_positions = default_length, max_positions
+        self.default_length, self.max_positions, self.learned_positions = default_length, max_positions, learned_positions
         self.on_result = on_result
         self.total = len(prompts) if hasattr(prompts, "__len__") else None
         self._source: Iterator = iter(prompts)
@@ -115,6 +117,7 @@ class Requests:
         self.budgets: dict[int, int] = {}  # rows whose prompt came with its own max_new_tokens
         self.stream_index: list[int] = []  # row -> its prompt's place in the stream
         self.failed: dict[int, BaseException] = {}  # rows whose stopping criteria raised
+        self.cut: dict[int, tuple[int, BaseException]] = {}  # rows whose budget was cut: (tokens, the error if reached)
         self.admitted = 0  # items read from the source
         self._bar = None
         if progress:
@@ -149,7 +152,8 @@ class Requests:
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise ValueError(f"prompt {self.admitted} must hold integer token ids, got {prompt.dtype}")
         prompt = prompt.long()
-        if self.max_positions is not None and prompt.numel() >= self.max_positions:
+        if (self.max_positions is not None and prompt.numel() >= self.max_positions
+                and (self.learned_positions or (self.default_length and budget is None))):  # rotary positions go on, as in plain generate()
             raise ValueError(f"prompt {self.admitted} has {prompt.numel()} tokens: no room left in the target's "
                              f"{self.max_positions} positions")
         low, high = int(prompt.min()), int(prompt.max())
@@ -205,25 +209,36 @@ class Requests:
         """Row `row`'s budget: its own, else the call's max_new_tokens, else what plain generate() gives
         this prompt alone (max_length minus its length; with no max_length set, transformers' default
         of 20 new tokens, capped by the model's positions)."""
+        length, index = prompt.shape[0], self.stream_index[row]
         if row in self.budgets:
-            return self.budgets[row]
-        if generation_config.max_new_tokens is not None:
-            return generation_config.max_new_tokens
-        length = prompt.shape[0]
-        if self.default_length:
+            budget = self.budgets[row]
+        elif generation_config.max_new_tokens is not None:
+            budget = generation_config.max_new_tokens
+        elif self.default_length:
             limit = TRANSFORMERS_DEFAULT_MAX_LENGTH + length
-            if self.max_positions is not None:
-                limit = min(limit, self.max_positions)
-            return max(1, limit - length)
-        return max(1, generation_config.max_length - length)
+            budget = max(1, (limit if self.max_positions is None else min(limit, self.max_positions)) - length)
+        else:
+            budget = generation_config.max_length - length
+            if budget < 1:  # plain generate() raises; this request fails alone (its one token is dropped)
+                self.cut[row] = (0, ValueError(f"prompt {index} has {length} tokens, but max_length is "
+                                               f"{generation_config.max_length}: set max_new_tokens, or a larger max_length"))
+                return 1
+        room = None if self.max_positions is None else self.max_positions - length
+        if self.learned_positions and room is not None and budget > room:  # plain generate() fails there
+            self.cut[row] = (room, ValueError(f"prompt {index}: its {length} tokens and {budget} new ones pass the "
+                                              f"target's {self.max_positions} learned positions; it stopped at the last"))
+            return room
+        return budget
 
     def fail(self, row: int, error: BaseException) -> None:
         """Row `row` cannot go on (its stopping criteria raised): it finishes with this error."""
         self.failed[row] = error
 
     def finished(self, row: int, prompt: torch.Tensor, tokens: list[int], acceptance: AcceptanceStats) -> None:
-        tokens = to_device(tokens, prompt.device)
-        self._deliver(StreamResult(self.stream_index[row], prompt, tokens, acceptance, self.failed.pop(row, None)))
+        error, (limit, cut) = self.failed.pop(row, None), self.cut.pop(row, (len(tokens) + 1, None))
+        if error is None and len(tokens) >= limit:  # it reached the cut in its budget
+            error, tokens = cut, tokens[:limit]
+        self._deliver(StreamResult(self.stream_index[row], prompt, to_device(tokens, prompt.device), acceptance, error))
 
     def _deliver(self, result: StreamResult) -> None:
         self.results[result.index] = result
@@ -257,6 +272,16 @@ class Requests:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+def learned_positions(model: PreTrainedModel) -> bool:
+    """Whether the model looks positions up in a table of `context_length` rows (GPT-2's `wpe`; OPT's has
+    2 more), so none exists past it: rotary models compute any position."""
+    from .proposals.draft_model import context_length
+
+    limit, inputs = context_length(model.config), model.get_input_embeddings()
+    return limit is not None and any(isinstance(m, torch.nn.Embedding) and m is not inputs
+                                     and m.num_embeddings in (limit, limit + 2) for m in model.modules())
 
 
 def _unpadded(item: Mapping[str, Any], index: int) -> Any:
@@ -325,11 +350,11 @@ def generate_continuous(
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
     check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read
     given = generate_kwargs.get("generation_config")
-    default_length = (generate_kwargs.get("max_length") is None and (given is None or given.max_length is None)
-                      and model.generation_config.max_length is None)
+    default_length = all(generate_kwargs.get(name) is None and (given is None or getattr(given, name) is None)
+                         and getattr(model.generation_config, name) is None for name in ("max_length", "max_new_tokens"))
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0], default_length=default_length,
-                        max_positions=context_length(model.config))
+                        max_positions=context_length(model.config), learned_positions=learned_positions(model))
     try:
         first = requests.first()
         if first is not None:

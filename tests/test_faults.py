@@ -173,8 +173,32 @@ def test_per_prompt_budgets_take_any_integer_and_long_prompts_fail_alone(models)
     items = [{"input_ids": [1, 2], "max_new_tokens": np.int64(3)}, list(range(2, 60)) * 20, [4, 5]]  # 1,160 > 1,024
     results = hf_specdec.generate_continuous(target, items, assistant=draft, max_new_tokens=5, do_sample=False)
     assert results[0].ok and len(results[0].tokens) == 3
-    assert not results[1].ok and "positions" in str(results[1].error)
+    # rotary positions go on past max_position_embeddings, as in plain generate()
+    assert results[1].ok and torch.equal(results[1].tokens, plain(target, items[1], max_new_tokens=5))
     assert results[2].ok and torch.equal(results[2].tokens, plain(target, [4, 5], max_new_tokens=5))
+
+
+def test_a_request_past_learned_positions_or_max_length_fails_alone(models):
+    """GPT-2's table of positions has no row past its last (plain generate() fails there with an
+    IndexError, which stopped the whole stream): that request fails alone, at the last position."""
+    gpt2 = tiny_model("gpt2", seed=3)
+    long = list(range(2, 60)) * 17 + [5] * 24  # 1,010 of 1,024 positions
+    items = [[5, 6, 7], {"input_ids": long, "max_new_tokens": 30}, list(range(2, 60)) * 18, [8, 9]]
+    results = hf_specdec.generate_continuous(gpt2, items, assistant=perturbed(gpt2, noise=0.3), max_new_tokens=5,
+                                             max_batch_size=2, do_sample=False)
+    assert not results[1].ok and "learned positions" in str(results[1].error)
+    assert torch.equal(results[1].tokens, plain(gpt2, long, max_new_tokens=14))  # up to the last position
+    assert not results[2].ok and "positions" in str(results[2].error)  # 1,044 tokens: no room for one more
+    for i in (0, 3):
+        assert results[i].ok and torch.equal(results[i].tokens, plain(gpt2, items[i], max_new_tokens=5))
+    # a later prompt longer than max_length: plain generate() raises, this request fails alone with no tokens
+    target, draft = models
+    items = [[5, 6, 7], list(range(2, 40)), [8, 9]]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_length=20, max_batch_size=2,
+                                             do_sample=False)
+    assert not results[1].ok and "max_length" in str(results[1].error) and len(results[1].tokens) == 0
+    for i in (0, 2):
+        assert results[i].ok and torch.equal(results[i].tokens, plain(target, items[i], max_length=20))
 
 
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):

@@ -122,6 +122,21 @@ def test_stop_strings_in_the_directory_form():
                           assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None,
                           stop_strings=[stop], tokenizer=tokenizer)
     assert torch.equal(out, plain)
+    # the same strings set in a GenerationConfig, the one passed or the model's (the model's is left as it was)
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(do_sample=False, max_new_tokens=20, eos_token_id=None, stop_strings=[stop])
+    out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                          assistant_model=draft, generation_config=config, tokenizer=tokenizer)
+    assert torch.equal(out, plain) and config.stop_strings == [stop]
+    target.generation_config.stop_strings = [stop]
+    try:
+        out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                              assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                              tokenizer=tokenizer)
+        assert torch.equal(out, plain) and target.generation_config.stop_strings == [stop]
+    finally:
+        target.generation_config.stop_strings = None
 
 
 def test_an_explicit_draft_window_of_none_encodes_the_whole_prompt():

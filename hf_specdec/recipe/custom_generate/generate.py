@@ -5,6 +5,8 @@ generate() arguments)`, so the standard names work here: `assistant_model=draft`
 It re-enters `model.generate` with the callable form, which does all of generate()'s preparation.
 """
 
+import copy
+
 import hf_specdec
 
 
@@ -15,11 +17,20 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
         kwargs.setdefault("assistant", assistant_model)
     if streamer is not None:
         kwargs.setdefault("spec_streamer", streamer)
-    if kwargs.get("stop_strings") is not None:  # transformers drops `tokenizer` on the way to a callable
+    passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
+    strings = kwargs.pop("stop_strings", None)
+    if strings is None:  # set in a GenerationConfig: the one passed, else the model's
+        strings = getattr(passed, "stop_strings", None) or default
+    if strings is not None:  # transformers drops `tokenizer` on the way to a callable: the criterion is built here
         from transformers import StoppingCriteriaList, StopStringCriteria
 
         if kwargs.get("tokenizer") is None:
             raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate()")
-        stop = StopStringCriteria(kwargs.pop("tokenizer"), kwargs.pop("stop_strings"))
+        stop = StopStringCriteria(kwargs.pop("tokenizer"), strings)
         kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
+        if getattr(passed, "stop_strings", None) is not None:
+            kwargs["generation_config"] = passed = copy.deepcopy(passed)
+            passed.stop_strings = None
+        if default is not None:  # else transformers fills the model's back in, then asks for the tokenizer
+            kwargs["stop_strings"] = None
     return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)

@@ -44,11 +44,16 @@ PER_PROMPT_PROCESSORS = ((MinNewTokensLengthLogitsProcessor, "min_new_tokens"),
                          (ExponentialDecayLengthPenalty, "exponential_decay_length_penalty"))
 
 
-def continuous_settings(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer):
+def continuous_settings(config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer,
+                        max_batch_size: int = 1):
     """Continuous batching's checks and settings: (config, stopping criteria)."""
     if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
         raise ValueError("continuous batching needs the draft model or an hf_specdec Drafter; a transformers "
                          "CandidateGenerator runs one row at a time")
+    most = getattr(candidate_generator, "max_rows", None)
+    if most is not None and max_batch_size > most:
+        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
+                         f"time; continuous batching with max_batch_size={max_batch_size} runs more")
     if streamer is not None:
         raise ValueError("streamers take one row; continuous batching runs many")
     if input_ids.shape[0] != 1:
@@ -86,10 +91,7 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    if input_ids.shape[0] != 1 and candidate_generator is not None and not isinstance(candidate_generator, Drafter):
-        raise ValueError(
-            f"a custom candidate_generator runs one row at a time, got a batch of {input_ids.shape[0]} rows."
-        )
+    _validate_drafter(model, candidate_generator, input_ids.shape[0])
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids)
     _validate_positions(model_kwargs.get("position_ids"), model_kwargs.get("attention_mask"), input_ids)
@@ -325,6 +327,20 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
             "generate() would pass to every forward and hf_specdec would drop. Generate without them, or with "
             "plain generate()."
         )
+
+
+def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int) -> None:
+    """A candidate_generator's rows, and the draft model inside one of ours, checked as `assistant=` is."""
+    if candidate_generator is None:
+        return
+    most = candidate_generator.max_rows if isinstance(candidate_generator, Drafter) else 1
+    if most is not None and rows > most:
+        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
+                         f"time, got a batch of {rows} rows")
+    inner = getattr(getattr(candidate_generator, "drafter", candidate_generator), "model", None)
+    if isinstance(candidate_generator, Drafter) and isinstance(inner, PreTrainedModel):
+        _validate_assistant(model, inner)
+        _validate_layers(inner, "draft model (in the candidate_generator)")
 
 
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:

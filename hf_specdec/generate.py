@@ -97,7 +97,7 @@ def speculative_generate(
     validate_retrieval_cache(model, retrieval_cache)
     if requests is not None:
         config, stopping_criteria = continuous_settings(config, logits_processor, stopping_criteria, candidate_generator,
-                                                        input_ids, streamer or spec_streamer)
+                                                        input_ids, streamer or spec_streamer, requests.max_batch_size)
     state = _start(
         model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
         candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,

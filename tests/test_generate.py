@@ -478,3 +478,22 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
         spec(linear, linear, max_new_tokens=3)
     with pytest.raises(hf_specdec.UnsupportedCacheError, match=r"the draft model \(assistant\) has cache layers of type Lin"):
         spec(target, linear, max_new_tokens=3)
+    # a draft model inside a Drafter passed as candidate_generator is checked as assistant= is (an IndexError, or
+    # a shape error from inside the sampling code, before)
+    small = tiny_model("llama", vocab=48, seed=14)
+    for drafter in (hf_specdec.DraftModelDrafter(small, None, False),
+                    hf_specdec.DraftCandidateGenerator(small, None, 3, False)):
+        with pytest.raises(ValueError, match="vocabulary mismatch: the target scores 64 tokens but the draft scores 48"):
+            target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=drafter,
+                            max_new_tokens=3)
+    # a source that proposes for one row: refused for a batch, and for a stream that runs several (it failed part-way)
+    batch = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(ValueError, match=r"NgramDrafter\) proposes for 1 row at a time, got a batch of 2 rows"):
+        target.generate(batch, custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
+                        max_new_tokens=3, attention_mask=torch.ones_like(batch))
+    with pytest.raises(ValueError, match="proposes for 1 row at a time; continuous batching with max_batch_size=2"):
+        hf_specdec.generate_continuous(target, [[1, 2], [3, 4]], candidate_generator=hf_specdec.NgramDrafter(),
+                                       max_batch_size=2, max_new_tokens=3)
+    results = hf_specdec.generate_continuous(target, [[1, 2, 1, 2], [3, 4]], candidate_generator=hf_specdec.NgramDrafter(),
+                                             max_batch_size=1, max_new_tokens=3, do_sample=False)
+    assert all(r.ok for r in results)

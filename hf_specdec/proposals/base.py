@@ -130,6 +130,7 @@ class Drafter(ABC):
 
     source: str = "draft"
     cache: Cache | None = None
+    max_rows: int | None = None  # the most rows it proposes for at once (None: any batch)
 
     def start(self, batch_size: int) -> None:
         """A new generate call begins (fresh cache and per-call state)."""

@@ -56,6 +56,7 @@ class NgramDrafter(Drafter):
     """`ngram_lookup` over the row's real sequence, as point-mass proposals. One row only."""
 
     source = NGRAM
+    max_rows = 1
 
     def __init__(
         self,

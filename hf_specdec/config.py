@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from dataclasses import dataclass, fields
 from typing import Sequence
@@ -72,6 +73,9 @@ class Costs:
         if self.draft_prefill is not None:
             _check_number("draft_prefill", self.draft_prefill)
         _check_number("position", self.position)
+        for name in ("draft_step", "draft_prefill", "position") + (() if isinstance(self.verify, tuple) else ("verify",)):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, float(getattr(self, name)))  # a numpy float as the float it is
 
     def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
@@ -167,6 +171,6 @@ def _check_int(name: str, value, minimum: int) -> None:
 
 def _check_number(name: str, value, positive: bool = False) -> None:
     """A ValueError naming `name` unless `value` is a finite real number, >= 0 (or > 0 if `positive`)."""
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)  # numpy's too
     if not ok or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} (or None), got {value!r}")

@@ -279,13 +279,22 @@ class RetrievalCache:
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
-        cache = cls(**data["settings"])
-        learned = data.get("acceptance") or {}
-        cache.acceptance.pooled = float(learned.get("pooled", cache.acceptance.pooled))
-        cache.acceptance.per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
-        cache.acceptance.seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
+        try:
+            cache = cls(**data["settings"])
+            learned = data.get("acceptance") or {}
+            pooled = float(learned.get("pooled", cache.acceptance.pooled))
+            per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
+            seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
+            if not all(0.0 <= p <= 1.0 for p in (pooled, *per_size.values())):  # NaN fails too
+                raise ValueError("an acceptance outside [0, 1]")
+            sequences = data["sequences"]
+            if not isinstance(sequences, list) or not all(isinstance(t, list) for t in sequences):
+                raise ValueError("sequences must be a list of lists of token ids")
+        except (KeyError, TypeError, AttributeError, ValueError) as err:
+            raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err
+        cache.acceptance.pooled, cache.acceptance.per_size, cache.acceptance.seen = pooled, per_size, seen
         with cache._lock:
-            for tokens in data["sequences"]:
+            for tokens in sequences:
                 cache._add(cache._ids(tokens))
         return cache
 

@@ -469,6 +469,12 @@ def test_speculative_config_and_bad_values():
     assert (swept.num_draft_tokens, swept.draft_window) == (3, 64) and type(swept.num_draft_tokens) is int
     with pytest.raises(ValueError, match="num_draft_tokens must be a positive integer"):
         hf_specdec.SpeculativeConfig(num_draft_tokens=np.float64(3.0))
+    # prices: numpy floats (a measured table's values) are the floats they are; a bool, NaN or text is not a price
+    costs = hf_specdec.Costs(draft_step=np.float32(0.25), verify=np.float64(0.03), position=np.float32(0.5))
+    assert (costs.draft_step, costs.position) == (0.25, 0.5) and type(costs.draft_step) is float
+    for bad in (True, float("nan"), "0.1", -0.1):
+        with pytest.raises(ValueError, match="draft_step must be a finite number"):
+            hf_specdec.Costs(draft_step=bad)
 
 
 def test_a_removed_keyword_is_refused_by_name():

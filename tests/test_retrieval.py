@@ -79,6 +79,19 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
         RetrievalCache.load(tmp_path / "other.json")
     with pytest.raises(ValueError, match="cannot read"):
         RetrievalCache.load(tmp_path / "missing.json")
+    # the right format tag over the wrong structure: a ValueError naming the file (a KeyError, TypeError or
+    # AttributeError before), and learned values that are not probabilities
+    import json
+
+    from hf_specdec.retrieval import FORMAT
+
+    good = json.loads((tmp_path / "cache.json").read_text())
+    for broken in ({"format": FORMAT}, {**good, "settings": [1]}, {**good, "settings": {"foo": 1}},
+                   {**good, "acceptance": {"per_size": [1]}}, {**good, "acceptance": {"pooled": 5.0}},
+                   {**good, "sequences": "abc"}, {**good, "sequences": [[1, 2.5]]}):
+        (tmp_path / "bad.json").write_text(json.dumps(broken))
+        with pytest.raises(ValueError, match="bad.json|integers"):
+            RetrievalCache.load(tmp_path / "bad.json")
 
 
 @pytest.mark.parametrize("kwargs, name", [(dict(max_tokens=0), "max_tokens"), (dict(context=-1), "context"),

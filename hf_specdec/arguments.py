@@ -125,6 +125,10 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
                          "other's text.")
     if synced_gpus:
         raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+    for name, strategy in (("dola_layers", "DoLa decoding"), ("penalty_alpha", "contrastive search")):
+        if getattr(generation_config, name, None) not in (None, 0, 0.0):  # plain generate() would not decode greedily
+            raise ValueError(f"hf_specdec does not do {strategy} ({name}={getattr(generation_config, name)!r}); "
+                             "it implements greedy and multinomial sampling only.")
     for flag in ("output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag):
             raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")

@@ -350,6 +350,10 @@ def generate_continuous(
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
     check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read
     given = generate_kwargs.get("generation_config")
+    for name in ("return_dict_in_generate", "output_scores", "output_logits"):
+        if generate_kwargs.get(name, getattr(given or model.generation_config, name, False)):
+            raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
+                             f"{name} has no place in it (one generate call per prompt returns scores)")
     default_length = all(generate_kwargs.get(name) is None and (given is None or getattr(given, name) is None)
                          and getattr(model.generation_config, name) is None for name in ("max_length", "max_new_tokens"))
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,

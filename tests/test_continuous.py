@@ -200,6 +200,9 @@ def test_continuous_batching_refuses_what_it_cannot_do():
         with pytest.raises(ValueError, match=setting):
             hf_specdec.generate_continuous(target, [[1, 5, 9], [2, 7, 3, 4]], assistant=draft, max_new_tokens=12,
                                            eos_token_id=6, **{setting: value})
+    for name in ("return_dict_in_generate", "output_scores", "output_logits"):  # silently ignored before
+        with pytest.raises(ValueError, match=f"{name} has no place"):
+            hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=3, **{name: True})
     with pytest.raises(ValueError, match="draft_vocab_size"):
         hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=3, draft_vocab_size=16)
     with pytest.raises(ValueError, match="streamer"):

@@ -310,12 +310,15 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="streamers take one row"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate, assistant=target,
                         max_new_tokens=3, spec_streamer=Recorder())
-    with pytest.raises(ValueError, match="custom candidate_generator runs one row"):
+    with pytest.raises(ValueError, match="proposes for 1 row at a time, got a batch of 2 rows"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate,
                         candidate_generator=CandidateGenerator(),
                         max_new_tokens=3)
     with pytest.raises(ValueError, match="beam search"):
         spec(target, target, num_beams=2, max_new_tokens=3)
+    for kwargs, strategy in ((dict(dola_layers="high"), "DoLa"), (dict(penalty_alpha=0.6, top_k=4), "contrastive search")):
+        with pytest.raises(ValueError, match=f"does not do {strategy}"):  # it decoded greedily, silently
+            spec(target, target, max_new_tokens=3, **kwargs)
     with pytest.raises(ValueError, match="DynamicCache only"):
         spec(target, target, max_new_tokens=3, cache_implementation="static")
     with pytest.raises(ValueError, match="DynamicCache only"):

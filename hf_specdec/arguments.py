@@ -103,6 +103,7 @@ def validate(
         raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
     _validate_window(_validate_layers(model, "target"), input_ids, generation_config)
+    _validate_same_function(model)
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
@@ -347,12 +348,29 @@ def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int) ->
         _validate_layers(inner, "draft model (in the candidate_generator)")
 
 
+def _validate_same_function(model: PreTrainedModel) -> None:
+    """A target whose one-token steps and wider forwards compute different functions (int8 copies for
+    small inputs, `pack_linears(decode_bits=8)`): plain decoding reads one and verification the other."""
+    from .cpu import PackedLinear
+
+    if any(isinstance(m, PackedLinear) and m.decode is not None for m in model.modules()):
+        raise ValueError("the target's packed layers carry int8 copies for one-token steps (pack_linears(decode_bits=8)), "
+                         "so its one-token steps and its forwards over several tokens compute different functions and "
+                         "verification would not reproduce plain decoding: pack the target without decode_bits "
+                         "(decode copies are for drafts), or pass hf_specdec.cpu.without_decode_copies(target)")
+
+
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:
     if assistant.config.is_encoder_decoder:
         raise ValueError("the draft model (assistant) must be decoder-only.")
     if assistant.get_output_embeddings() is None:
         raise ValueError(f"the draft model (assistant) is a {type(assistant).__name__}, which has no language-model head "
                          "and gives no token scores: load it with AutoModelForCausalLM, not AutoModel.")
+    owner = getattr(assistant, "shares_weights_with", None)  # an early-exit draft: are its layers still its model's?
+    if owner is not None and not {id(m) for m in assistant.modules() if next(m.children(), None) is None} <= {
+            id(m) for m in owner.modules()}:
+        raise ValueError("the early-exit draft holds layers its model no longer has: it was made before that model's "
+                         "layers were replaced (pack_linears, quantize_weights); call hf_specdec.early_exit_draft after")
     target_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = assistant.get_output_embeddings().weight.shape[0]
     if target_vocab != draft_vocab:

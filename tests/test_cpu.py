@@ -159,6 +159,31 @@ def test_bad_models_are_refused_with_the_reason(monkeypatch):
     assert type(target.lm_head) is nn.Linear  # nothing was changed by the refusals
 
 
+def test_targets_whose_forwards_compute_different_functions_are_refused():
+    """A target with int8 copies for one-token steps decodes plainly through them and verifies through the
+    packed float32 weight (1-2 of 15 prompts parted from plain); an early-exit draft made before its model
+    was packed holds the replaced head (a dtype error) or, quantized, the old weights."""
+    prompt = torch.tensor([[1, 5, 9, 2, 7]])
+    target = pack_linears(tiny_model("llama", seed=2), decode_bits=8)
+    with pytest.raises(ValueError, match="int8 copies for one-token steps"):
+        target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, 0.3),
+                        max_new_tokens=4)
+    twin = cpu.without_decode_copies(target)  # the way out the message names
+    out = twin.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=perturbed(twin, 0.3),
+                        max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, twin.generate(prompt, max_new_tokens=8, do_sample=False))
+    for replace in (lambda m: pack_linears(m), lambda m: hf_specdec.quantize_weights(m, 8)):
+        model = tiny_model("llama", seed=2, layers=3).to(torch.bfloat16)
+        stale = hf_specdec.early_exit_draft(model, 1)
+        replace(model)
+        with pytest.raises(ValueError, match="made before that model's layers were replaced"):
+            model.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=stale, max_new_tokens=4)
+        fresh = hf_specdec.early_exit_draft(model, 1)
+        out = model.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=fresh,
+                             max_new_tokens=6, do_sample=False)
+        assert out.shape == (1, 11)
+
+
 def test_should_pack_follows_the_measured_cost_of_a_multi_token_forward(monkeypatch):
     model = tiny_model("llama")
     cost = cpu.multi_token_cost(model)  # a ratio of two timed forwards, in one-token steps: no bound on a

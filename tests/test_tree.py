@@ -11,12 +11,12 @@ from conftest import perturbed, tiny_model
 from hf_specdec.cache import extend_tree, keep_path, new_cache
 from hf_specdec import Costs
 from hf_specdec.planner import Planner
-from hf_specdec.proposals.base import Tree
+from hf_specdec.proposals.base import Proposal, Tree
 from hf_specdec.proposals.tree import (
     Trie, ancestors_mask, depths, longest_matches, match_bucket, match_length, ngram_continuations, path_tokens,
-    retrieval_reach, retrieve,
+    retrieval_reach, retrieve, tree_proposal,
 )
-from hf_specdec.stats import DRAFT, NGRAM
+from hf_specdec.stats import DRAFT, NGRAM, NONE
 from hf_specdec.verify import greedy_tree_verification
 
 ALPHA = 1e-3  # a correct rule fails a chi-square test here with probability 0.001
@@ -97,6 +97,11 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert reach[4] == pytest.approx(reach[3] * 0.5)
     assert reach[5] == pytest.approx(0.8 * 0.5 * 1 / 2 * (1 - 0.5))  # continuation under the draft node 0
     assert reach[2] == pytest.approx(0.4 * 0.5 * 1.0)
+    # nothing kept after the draft ran: a plain step, recorded and counted as one (it had been called "ngram")
+    drafted = Proposal(torch.tensor([[2, 7]]), None, source=DRAFT, host=[[2, 7]], forwards=2)
+    empty = tree_proposal(trie, [], drafted, NGRAM, torch.device("cpu"))
+    assert empty.num_tokens == 0 and empty.source == NONE and empty.sources == [NONE] and empty.forwards == 2
+    assert tree_proposal(trie, [3, 4], drafted, NGRAM, torch.device("cpu")).sources == [NGRAM]
 
 
 def test_the_planner_keeps_tree_nodes_while_they_pay():

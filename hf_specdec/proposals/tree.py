@@ -29,7 +29,7 @@ from typing import Sequence
 import torch
 
 from ..host import to_device
-from ..stats import DRAFT, NGRAM
+from ..stats import DRAFT, NGRAM, NONE
 from .base import Proposal, Tree
 
 SIBLING = "sibling"  # a greedy draft's runner-up at a chain position, as a point-mass sibling of the chain node
@@ -206,9 +206,11 @@ def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: s
     if parents == list(range(-1, len(parents) - 1)) and drafted in (0, len(tokens)):  # a chain from one source
         if drafted:
             return chain.first([drafted])
-        # retrieved tokens only; after a draft ran, the draft's cache holds its own tokens (`sources` says so)
-        return Proposal(ids, None, source=NGRAM if forwards else source, host=[tokens], forwards=forwards,
-                        sources=[NGRAM] if forwards else None)
+        # retrieved tokens only (none: a plain step); after a draft ran, the draft's cache holds its own
+        # tokens (`sources` says so)
+        kind = NGRAM if tokens else NONE
+        return Proposal(ids, None, source=kind if forwards or not tokens else source, host=[tokens], forwards=forwards,
+                        sources=[kind] if forwards else None)
     return Proposal(
         ids, draft_probs=None, source=source, host=[tokens], forwards=forwards, tree=Tree(parents, drafted, [trie.counts[n] > 0 for n in kept]),
         confidences=None if chain is None or chain.confidences is None else [chain.confidences[0][:drafted]],

@@ -136,9 +136,14 @@ def pack_linears(model: nn.Module, decode_bits: int | None = None) -> nn.Module:
     at int8's price, its prompt encoding and catch-ups at the packed price (module docstring). None
     (the default): packed weights only. For drafts: a target's outputs would change with the copy.
 """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"pack_linears takes a torch model (an nn.Module), got {type(model).__name__}")
     problem = packing_problem()
     if problem:
         raise ValueError(problem)
+    copies = {id(m.decode) for m in model.modules() if isinstance(m, PackedLinear)}  # a packed model's own int8 copies
+    if any(isinstance(m, WeightOnlyLinear) and id(m) not in copies for m in model.modules()):
+        raise ValueError("this model has weight-only quantized layers (quantize_weights): pack the model as loaded")
     if decode_bits not in (None, 8):
         raise ValueError(f"decode_bits must be None or 8 (an int8 copy for one-token steps), got {decode_bits!r}")
     if decode_bits and _kernel_problem(8):

@@ -56,6 +56,8 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A draft that runs the first `num_layers` decoder layers of `model`, then its final norm and
     output head, sharing every weight with `model` (which is left unchanged)."""
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"early_exit_draft takes a transformers causal LM, got {type(model).__name__}")
     base, name, layers = decoder_layers(model)
     if not isinstance(num_layers, bool) and hasattr(num_layers, "__index__"):
         try:

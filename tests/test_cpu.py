@@ -148,6 +148,13 @@ def test_bad_models_are_refused_with_the_reason(monkeypatch):
     target = tiny_model("llama")
     with pytest.raises(ValueError, match="shares its weights with another"):
         pack_linears(hf_specdec.early_exit_draft(target, 1))
+    with pytest.raises(ValueError, match="pack_linears takes a torch model"):
+        pack_linears("target")
+    with pytest.raises(ValueError, match="weight-only quantized layers"):
+        pack_linears(hf_specdec.quantize_weights(tiny_model("llama"), 8))
+    with pytest.raises(ValueError, match="already has PackedLinear"):
+        hf_specdec.quantize_weights(pack_linears(tiny_model("llama")), 8)
+    pack_linears(pack_linears(tiny_model("llama"), decode_bits=8))  # packing again changes nothing, copies and all
     cpu.packing_problem.cache_clear()
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
     try:

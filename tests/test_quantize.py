@@ -126,10 +126,24 @@ def test_quantized_draft_keeps_greedy_speculative_output(bits):
     assert torch.equal(spec, plain)
 
 
-@pytest.mark.parametrize("bits", [0, 2, 3, 32, "8"])
+@pytest.mark.parametrize("bits", [0, 2, 3, 32, "8", 8.0, True])
 def test_bad_bits_raise(bits):
     with pytest.raises(ValueError, match=f"bits={bits!r}"):
         quantize_weights(tiny_model(), bits)
+
+
+def test_bad_models_and_skips_are_named():
+    """A non-model was an AttributeError, a skip given as one string was split into its letters, and a
+    model quantized already was left as it was (int8 asked for int4) without a word."""
+    for bad in ("draft", None, torch.zeros(3)):
+        with pytest.raises(ValueError, match="takes a torch model"):
+            quantize_weights(bad, 8)
+        with pytest.raises(ValueError, match="takes a transformers causal LM"):
+            hf_specdec.early_exit_draft(bad, 1)
+    model = quantize_weights(tiny_model(), 8, skip="model.layers.0.mlp.down_proj")
+    assert type(model.get_submodule("model.layers.0.mlp.down_proj")) is torch.nn.Linear
+    with pytest.raises(ValueError, match="already has WeightOnlyLinear layers"):
+        quantize_weights(model, 4)
 
 
 def test_bits_16_is_a_no_op():

@@ -105,13 +105,26 @@ def speculative_generate(
     )
     if streamer is None and spec_streamer is not None:
         spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
+    _run(state)
+    return _finish(state)
+
+
+def _run(state: "DecodeState") -> None:
+    """`_decode`, then, however it ends, the sink closed and the rows joined to the retrieval cache; a
+    streamer is ended if it fails (a consumer iterating over it must not wait forever)."""
     try:
         _decode(state)
+    except BaseException:
+        if state.streamer is not None:
+            try:
+                state.streamer.end()
+            except Exception:
+                pass
+        raise
     finally:
         state.close_sink()
         if state.lookup is not None:
             state.lookup.close(state.batch.generated)  # the call's rows join the cache (searchable in later calls)
-    return _finish(state)
 
 
 def _decode(state: "DecodeState") -> None:

@@ -154,7 +154,10 @@ def open_sink(sink: AcceptanceSink | None) -> tuple[Callable[[RoundRecord], None
         return None, lambda: None
     if callable(sink):
         return sink, lambda: None
-    handle = open(os.fspath(sink), "a", encoding="utf-8")
+    try:
+        handle = open(os.fspath(sink), "a", encoding="utf-8")
+    except OSError as error:  # a missing folder, a directory, no permission
+        raise ValueError(f"acceptance_sink: cannot append to {os.fspath(sink)!r}: {error.strerror or error}") from error
 
     def write(record: RoundRecord) -> None:
         handle.write(json.dumps(record.to_dict()) + "\n")

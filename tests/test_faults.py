@@ -392,6 +392,27 @@ def test_spec_streamer_and_the_directory_form_stream_every_token(models):
         consumer.join(timeout=10)
         assert not consumer.is_alive()
         assert " ".join(consumed).split() == [str(t) for t in [1, 2, 3, *expected]]
+    # a call that fails part-way (here its acceptance sink raises) ends the streamer: the consumer is not left waiting
+    streamer = TextIteratorStreamer(Spaces(), timeout=30)
+    consumer = threading.Thread(target=lambda: list(streamer))
+    consumer.start()
+
+    def sink(record):
+        raise RuntimeError("the sink broke")
+
+    with pytest.raises(RuntimeError, match="the sink broke"):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False, acceptance_sink=sink,
+                        custom_generate=hf_specdec.speculative_generate, assistant=draft, spec_streamer=streamer)
+    consumer.join(timeout=10)
+    assert not consumer.is_alive()
+
+
+def test_an_acceptance_sink_path_that_cannot_be_written_is_named(models, tmp_path):
+    target, draft = models
+    for path in (tmp_path / "missing" / "rounds.jsonl", tmp_path):  # a missing folder; a directory
+        with pytest.raises(ValueError, match=f"acceptance_sink: cannot append to '{path}'"):
+            target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=3, custom_generate=hf_specdec.speculative_generate,
+                            assistant=draft, acceptance_sink=path)
 
 
 # ---------------------------------------------------------------- strict arguments

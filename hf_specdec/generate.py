@@ -49,7 +49,7 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     `cost_model` (a `CostEstimates`: the draft and verify costs the call decided with)."""
 
     acceptance: AcceptanceStats | None = None  # the whole batch
-    acceptance_per_row: list[AcceptanceStats] | None = None  # one per input row
+    acceptance_per_row: list[AcceptanceStats] | None = None  # one per input row (forwards, seconds: its rounds')
     cost_model: CostEstimates | None = None
 
 

@@ -445,7 +445,9 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         length = proposal.length(i)
         for counters in (state.stats, state.row_stats[row]):
             counters.record(length, accepted[i], emission.counts[i])
-        state.row_stats[row].rounds += 1
+        # the row's own source; the forwards and seconds of the round it took part in (shared with the others)
+        source = proposal.sources[i] if proposal.sources else proposal.source
+        state.row_stats[row].count_round(source, proposal.forwards, trace.seconds, verdict.seconds)
         if state.write_record is not None:
             state.write_record(_record(state, proposal, trace, verdict, emission, i, row))
     state.stats.count_round(proposal.source, proposal.forwards, trace.seconds, verdict.seconds)

@@ -46,6 +46,10 @@ def test_batched_greedy_matches_plain_batched_greedy_and_each_row_alone(arch, k)
     per_row = [s.accepted for s in out.acceptance_per_row]
     assert len(set(per_row)) > 1, "rows should accept differently, or holes are never exercised"
     assert out.acceptance.accepted == sum(per_row)
+    for stats in out.acceptance_per_row:  # the rounds a row took part in, counted in full (they were left at 0)
+        assert stats.target_forwards == stats.rounds <= out.acceptance.rounds
+        assert stats.draft_forwards >= stats.rounds - stats.plain_rounds - stats.ngram_rounds > 0
+        assert stats.target_seconds > 0
 
 
 @pytest.mark.parametrize("levers", [{}, {"adaptive": True, "ngram": True, "costs": hf_specdec.Costs(draft_step=0.05)}],

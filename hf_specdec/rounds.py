@@ -442,12 +442,12 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     """5. Statistics for the batch and each row, one record per row for the sink, and the planner."""
     accepted = verdict.accepted
     for i, row in enumerate(state.batch.rows):
-        length = proposal.length(i)
+        # a tree counts its depth: the most tokens it could accept (its nodes are in the record)
+        length = proposal.length(i) if proposal.tree is None else 1 + max(depths(proposal.tree.parents), default=-1)
         for counters in (state.stats, state.row_stats[row]):
             counters.record(length, accepted[i], emission.counts[i])
         # the row's own source; the forwards and seconds of the round it took part in (shared with the others)
-        source = proposal.sources[i] if proposal.sources else proposal.source
-        state.row_stats[row].count_round(source, proposal.forwards, trace.seconds, verdict.seconds)
+        state.row_stats[row].count_round(proposal.source_of(i), proposal.forwards, trace.seconds, verdict.seconds)
         if state.write_record is not None:
             state.write_record(_record(state, proposal, trace, verdict, emission, i, row))
     state.stats.count_round(proposal.source, proposal.forwards, trace.seconds, verdict.seconds)

@@ -58,7 +58,7 @@ class AcceptanceStats:
     """Counters over a generate call. Rates are derived, never stored."""
 
     rounds: int = 0  # verification rounds (= target forwards)
-    drafted: int = 0  # draft tokens proposed
+    drafted: int = 0  # draft tokens proposed (a tree round: its depth, the most it could accept)
     accepted: int = 0  # draft tokens accepted
     emitted: int = 0  # tokens appended to the output (may be cut short by a stop)
     draft_forwards: int = 0

@@ -278,3 +278,18 @@ def test_one_target_forward_per_tree_round():
         handle.remove()
     assert any(r.parents is not None for r in records)
     assert len(calls) == len(records)  # one row: one record and one target forward per round
+
+
+def test_a_tree_round_counts_its_depth_as_drafted():
+    """acceptance_rate over a tree round is accepted / the most it could accept (its depth), not over
+    every node: runners-up and retrieved siblings at one depth can never all be accepted (the CLI had
+    printed 0/50 after three draft forwards)."""
+    target = tiny_model("llama", vocab=16, seed=4)
+    out, records = _tree_records(target, perturbed(target, noise=0.2), REPETITIVE, do_sample=False)
+    trees = [r for r in records if r.parents is not None]
+    assert any(len(r.parents) > 1 + max(depths(r.parents)) for r in trees)  # some tree branched
+    depth = lambda r: len(r.draft_tokens) if r.parents is None else 1 + max(depths(r.parents), default=-1)  # noqa: E731
+    stats = out.acceptance
+    assert stats.drafted == sum(depth(r) for r in records) == sum(stats.drafted_per_position)
+    assert stats.accepted == sum(r.num_accepted for r in records) and 0 < stats.acceptance_rate <= 1
+    assert len(stats.drafted_per_position) == max(depth(r) for r in records)

@@ -93,7 +93,7 @@ def validate(
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
     _validate_drafter(model, candidate_generator, input_ids.shape[0])
     _validate_model_inputs(model_kwargs)
-    _validate_padding(model_kwargs.get("attention_mask"), input_ids)
+    _validate_padding(model_kwargs.get("attention_mask"), input_ids, generation_config.pad_token_id)
     _validate_positions(model_kwargs.get("position_ids"), model_kwargs.get("attention_mask"), input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
@@ -258,7 +258,7 @@ def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, sp
         raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(speculative_config).__name__}")
 
 
-def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> None:
+def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor, pad_token_id: int | None = None) -> None:
     """A named error for masks this loop would misread: every row must be left-padded (zeros, then
     ones) with at least one real token; transformers only warns about right padding and returns rows
     that differ from each prompt's own."""
@@ -274,10 +274,15 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor) -> Non
         hole = bool(mask[bad[0], int(mask[bad[0]].int().argmax()):].int().diff().eq(1).any())  # a 0 then a 1 again
         what = ("has no real token" if bool(empty[bad[0]]) else "has padding between its tokens" if hole
                 else "has padding after its tokens (right padding)")
+        row, inferred = bad[0], ""
+        if isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
+            inferred = (f" The mask marks every token {pad_token_id} (pad_token_id) as padding, as transformers infers "
+                        "one when none is passed: if they are real tokens (a generated one), pass "
+                        "attention_mask=torch.ones_like(input_ids).")
         raise ValueError(
-            f"attention_mask row {bad[0]} {what}: hf_specdec needs left-padded batches (zeros, then the prompt), "
+            f"attention_mask row {row} {what}: hf_specdec needs left-padded batches (zeros, then the prompt), "
             "as transformers' decoder-only generation does; set tokenizer.padding_side = 'left'"
-            + (f" ({len(bad)} rows affected)" if len(bad) > 1 else "")
+            + (f" ({len(bad)} rows affected)" if len(bad) > 1 else "") + ("." if inferred else "") + inferred
         )
 
 

@@ -258,6 +258,14 @@ def test_a_right_padded_batch_is_refused_by_name(models):
     with pytest.raises(ValueError, match="row 1 has padding between its tokens"):  # a hole, not right padding
         target.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1], [1, 0, 1, 1]]), max_new_tokens=4,
                         custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    # no mask given, a generated pad id inside the sequence (continuing an output): transformers infers a mask
+    # with a hole from pad_token_id; the error says so and how to pass the real one, which then runs as plain
+    ids = torch.tensor([[1, 5, 0, 3, 4]])
+    with pytest.raises(ValueError, match=r"padding between its tokens.*every token 0 \(pad_token_id\).*torch.ones_like"):
+        target.generate(ids, max_new_tokens=4, custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    assert torch.equal(out, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False))
     left = torch.tensor([[1, 5, 7, 9], [0, 0, 1, 5]])  # left padding still runs
     target.generate(left, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), max_new_tokens=4,
                     do_sample=False, custom_generate=hf_specdec.speculative_generate, assistant=draft)

@@ -404,15 +404,19 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
     last one stopped, rows past it are cut back to it, rows short of it decode on until they reach it."""
     batch, outputs = state.batch, state.outputs
     end = max(state.held.get(row, len(tokens)) for row, tokens in enumerate(batch.generated))
-    for i, row in enumerate(batch.rows):
-        batch.limits[row] = end
-        extra = len(batch.generated[row]) - end
-        if extra >= 0:
-            del batch.generated[row][end:]
+    active = {row: i for i, row in enumerate(batch.rows)}
+    for row, tokens in enumerate(batch.generated):  # rows that already left at their budget too
+        extra = len(tokens) - end
+        if extra > 0:
+            del tokens[end:]
             for per_row in (outputs.scores, outputs.logits):
                 if per_row is not None:
                     del per_row[row][end:]
-            counts[i], finished[i] = max(0, counts[i] - extra), True
+        if row in active:
+            batch.limits[row] = end
+            if extra >= 0:
+                i = active[row]
+                counts[i], finished[i] = max(0, counts[i] - extra), True
 
 
 def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor], dict[int, Exception]]:

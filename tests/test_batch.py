@@ -275,3 +275,23 @@ def test_a_batch_without_eos_decodes_stopped_rows_on_as_plain_generate_does(arch
             for ours, theirs in zip(out.scores, plain.scores):
                 torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=1e-4)
     assert stopped_early  # a case where every row stopped before the budget: rows cut back to the last stop
+
+
+def test_a_row_that_stopped_and_left_at_its_budget_is_cut_back_too():
+    """Found by fuzzing: row 0 stops early, decodes on quickly and leaves at its budget before the last row
+    stops; plain generate() ends every row at that last stop, so the row that left is cut back as well."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class StopAfter(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.isin(input_ids[:, -1], torch.tensor([63, 46, 10]))
+
+    target = tiny_model("llama", seed=5)
+    ids, mask = left_padded([[53, 34, 57, 42, 25, 28, 47, 27], [5, 27, 31, 38, 62, 8], [56, 37, 25, 63, 10, 3, 19, 54],
+                             [50, 14, 13, 7, 59]])
+    kwargs = dict(max_new_tokens=38, do_sample=False, attention_mask=mask, stopping_criteria=StoppingCriteriaList([StopAfter()]))
+    plain = target.generate(ids, **kwargs)
+    assert plain.shape[1] < ids.shape[1] + 38  # the batch ended at a stop, before the budget
+    out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, noise=0.2),
+                          num_draft_tokens=4, costs=hf_specdec.Costs(draft_step=0.49, verify=0.18), **kwargs)
+    assert torch.equal(out, plain)

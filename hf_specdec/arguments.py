@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (ExponentialDecayLengthPenalt
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import UnsupportedCacheError, check_cache
+from .cache import UnsupportedCacheError, check_cache, column_bound
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .retrieval import RetrievalCache
@@ -102,7 +102,13 @@ def validate(
     if cached >= input_ids.shape[1]:
         raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
-    _validate_window(_validate_layers(model, "target"), input_ids, generation_config)
+    windows = _validate_layers(model, "target")
+    if getattr(model.config, "model_type", "") == "gpt_neo" and column_bound(model)[0]:
+        windows.append(model.config.window_size)  # local attention without a sliding-window cache layer
+    elif input_ids.shape[0] > 1 and column_bound(model)[0]:
+        raise UnsupportedCacheError(f"a batch of {input_ids.shape[0]} rows: rows that accept different numbers of "
+                                    f"tokens leave masked holes, and {column_bound(model)[0]}. Generate one row at a time.")
+    _validate_window(windows, input_ids, generation_config)
     _validate_same_function(model)
     if assistant is not None:
         _validate_assistant(model, assistant)

@@ -67,6 +67,23 @@ def select_rows(caches: Iterable[Cache | None], keep: torch.Tensor) -> None:  # 
             cache.batch_select_indices(keep)
 
 
+def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """(why masked holes in a row change `model`'s attention, why a tree forward does): None where they do
+    not. Attention that reads the mask and the position ids skips holes and places tree nodes at their
+    depth; some models look at the columns themselves."""
+    config = model.config
+    kind = getattr(config, "model_type", "")
+    if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+        why = f"GPT-Neo's local attention spans {config.window_size} columns, holes included"
+        return why, why
+    if kind == "mpt":
+        why = "MPT's ALiBi bias is computed from column positions, not from the mask or the position ids"
+        return why, why
+    if kind == "bloom" or getattr(config, "alibi", False) is True:
+        return None, "its ALiBi bias is built from a 2-D mask, and a tree forward passes a 4-D one"
+    return None, None
+
+
 def can_gather(caches: Iterable[Cache | None]) -> bool:
     """Whether `gather_columns` can rearrange these caches: plain full-attention layers only
     (sliding-window layers keep a window, not the columns the gather indexes)."""
@@ -87,9 +104,9 @@ def gather_columns(
         for layer in cache.layers:
             if layer.keys is None or layer.keys.numel() == 0:
                 continue
-            index = order[:, None, :, None].expand(-1, layer.keys.shape[1], -1, layer.keys.shape[-1])
-            for name in ("keys", "values"):
+            for name in ("keys", "values"):  # each its own head size (MLA: keys 16 wide, values 8)
                 t = getattr(layer, name)
+                index = order[:, None, :, None].expand(-1, t.shape[1], -1, t.shape[-1])
                 setattr(layer, name, torch.cat([t[:, :, :start], t[:, :, start:cached].gather(2, index), t[:, :, cached:]], dim=2))
 
 
@@ -152,8 +169,8 @@ def add_row(
     for i, layer in enumerate(cache.layers):
         if layer.keys is None or layer.keys.dim() < 4:  # never written: no row has anything here yet
             continue
-        shape = (1, layer.keys.shape[1], held, layer.keys.shape[-1])
-        keys, values = layer.keys.new_zeros(shape), layer.values.new_zeros(shape)
+        keys = layer.keys.new_zeros((1, layer.keys.shape[1], held, layer.keys.shape[-1]))
+        values = layer.values.new_zeros((1, layer.values.shape[1], held, layer.values.shape[-1]))  # MLA: its own size
         if encoded is not None:
             keys[:, :, held - real.numel() :] = encoded.layers[i].keys
             values[:, :, held - real.numel() :] = encoded.layers[i].values

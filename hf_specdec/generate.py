@@ -27,7 +27,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, check_arguments, continuous_settings, refuse_dropped_streamer,
                         validate, validate_retrieval_cache)
 from .batch import RaggedBatch
-from .cache import UnsupportedCacheError, can_gather, make_rollbackable, new_cache, rollback
+from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests
 from .planner import CostEstimates, Planner
@@ -221,7 +221,7 @@ def _start(
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
     use_lookup = config.ngram and not foreign and planner.adaptive
     trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
-             and can_gather((cache, drafter.cache)))
+             and can_gather((cache, drafter.cache)) and column_bound(model)[1] is None)  # else chains
     lookup = None
     if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
         if retrieval_cache is None and (rows > 1 or requests is not None):
@@ -233,6 +233,8 @@ def _start(
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")
+    if requests is not None and column_bound(model)[0]:  # rows that join and leave leave holes
+        raise UnsupportedCacheError(f"continuous batching leaves masked holes in rows, and {column_bound(model)[0]}")
     write_record, close_sink = open_sink(acceptance_sink)
     batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1])
     if requests is not None:  # the first prompt's own budget, if it came with one

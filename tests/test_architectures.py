@@ -1,0 +1,100 @@
+"""Architectures whose attention is not only a function of the mask and the position ids, and MLA.
+
+A probe over 49 architectures built from configs found four that failed (the others equal plain greedy,
+or are refused by name for their sliding-window or recurrent layers): BLOOM and Falcon with ALiBi crashed
+in a tree forward; GPT-Neo's local attention and MPT's column-position ALiBi count masked holes and tree
+columns, so batches and trees silently differed; MLA models (DeepSeek-V3, MiniCPM3) crashed in batches,
+their keys and values having different head sizes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+import hf_specdec
+from conftest import perturbed
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, initializer_range=0.3, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+              tie_word_embeddings=False)
+LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=1024)
+CONFIGS = {
+    "bloom": dict(hidden_size=32, n_layer=2, n_head=4),
+    "falcon": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, new_decoder_architecture=False,
+                   multi_query=True, alibi=True),
+    "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=1024, window_size=16,
+                    attention_types=[[["global", "local"], 1]]),
+    "mpt": dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=1024),
+    "deepseek_v3": dict(LLAMA_LIKE, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                        n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
+}
+PINNED = dict(costs=hf_specdec.Costs(draft_step=0.05, verify=0.02))  # cheap drafts: trees are built where allowed
+
+
+def build(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **COMMON, **CONFIGS[kind]))
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    return model.eval()
+
+
+def batch():
+    gen = torch.Generator().manual_seed(7)
+    ids, mask = torch.zeros(3, 20, dtype=torch.long), torch.zeros(3, 20, dtype=torch.long)
+    for i, n in enumerate((20, 9, 5)):
+        ids[i, 20 - n:], mask[i, 20 - n:] = torch.randint(2, VOCAB, (n,), generator=gen), 1
+    return ids, mask
+
+
+def speculative(target, draft, ids, **kwargs):
+    return target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=draft, do_sample=False, **kwargs)
+
+
+REPETITIVE = torch.tensor([[5, 9, 12, 5, 9, 30, 5, 9, 12, 41, 5, 9, 12, 7, 5, 9]])  # lookups: trees worth building
+
+
+@pytest.mark.parametrize("kind", ["bloom", "falcon", "gpt_neo", "mpt"])
+def test_models_whose_attention_reads_columns_decode_one_row_with_chains(kind):
+    """Trees fall back to chains for them (BLOOM and Falcon crashed in the tree forward; GPT-Neo and MPT
+    differed); one row equals plain greedy."""
+    target = build(kind)
+    draft = perturbed(target, noise=0.05)
+    for prompt in (REPETITIVE, torch.randint(2, VOCAB, (1, 70), generator=torch.Generator().manual_seed(5))):
+        records = []
+        out = speculative(target, draft, prompt, max_new_tokens=40, acceptance_sink=records.append, **PINNED)
+        assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=40))
+        assert records and all(r.parents is None for r in records)  # no tree round
+
+
+@pytest.mark.parametrize("kind", ["gpt_neo", "mpt"])
+def test_batches_and_streams_are_refused_where_holes_would_count(kind):
+    target = build(kind)
+    draft = perturbed(target, noise=0.05)
+    ids, mask = batch()
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="GPT-Neo's local attention|window of 16|MPT's ALiBi"):
+        speculative(target, draft, ids, attention_mask=mask, max_new_tokens=40)
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="holes"):
+        hf_specdec.generate_continuous(target, [[5, 6, 7], [8, 9]], assistant=draft, max_new_tokens=4, max_batch_size=2)
+    if kind == "gpt_neo":  # a batch that cannot outgrow the window is taken, and is exact
+        short = dict(attention_mask=mask[:, -6:], max_new_tokens=1)
+        assert torch.equal(speculative(target, draft, ids[:, -6:], **short), target.generate(ids[:, -6:], do_sample=False, **short))
+
+
+def test_mla_models_batch_and_stream():
+    """Keys and values of different head sizes (16 and 8): rows are gathered and added per tensor."""
+    target = build("deepseek_v3")
+    draft = perturbed(target, noise=0.05)
+    ids, mask = batch()
+    out = speculative(target, draft, ids, attention_mask=mask, max_new_tokens=30, num_draft_tokens=3, adaptive=False)
+    assert torch.equal(out, target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=30))
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=gen).tolist() for n in (6, 11, 4, 9)]
+    results = hf_specdec.generate_continuous(target, prompts, assistant=draft, max_batch_size=2, max_new_tokens=12,
+                                             do_sample=False, **PINNED)
+    for result, prompt in zip(results, prompts):
+        plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt):]
+        assert result.ok and torch.equal(result.tokens, plain)

@@ -132,8 +132,11 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
                          "other's text.")
     if synced_gpus:
         raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
-    for name, strategy in (("dola_layers", "DoLa decoding"), ("penalty_alpha", "contrastive search")):
-        if getattr(generation_config, name, None) not in (None, 0, 0.0):  # plain generate() would not decode greedily
+    alpha = getattr(generation_config, "penalty_alpha", None)  # contrastive search, as transformers selects it
+    contrastive = bool(alpha) and alpha > 0 and (generation_config.top_k or 0) > 1 and not generation_config.do_sample
+    for name, strategy, asked in (("dola_layers", "DoLa decoding", getattr(generation_config, "dola_layers", None) is not None),
+                                  ("penalty_alpha", "contrastive search", contrastive)):
+        if asked:  # plain generate() would not decode greedily or sample
             raise ValueError(f"hf_specdec does not do {strategy} ({name}={getattr(generation_config, name)!r}); "
                              "it implements greedy and multinomial sampling only.")
     for flag in ("output_attentions", "output_hidden_states"):
@@ -281,7 +284,7 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor, pad_to
         what = ("has no real token" if bool(empty[bad[0]]) else "has padding between its tokens" if hole
                 else "has padding after its tokens (right padding)")
         row, inferred = bad[0], ""
-        if isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
+        if hole and isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
             inferred = (f" The mask marks every token {pad_token_id} (pad_token_id) as padding, as transformers infers "
                         "one when none is passed: if they are real tokens (a generated one), pass "
                         "attention_mask=torch.ones_like(input_ids).")

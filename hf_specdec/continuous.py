@@ -152,8 +152,9 @@ class Requests:
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise ValueError(f"prompt {self.admitted} must hold integer token ids, got {prompt.dtype}")
         prompt = prompt.long()
-        if (self.max_positions is not None and prompt.numel() >= self.max_positions
-                and (self.learned_positions or (self.default_length and budget is None))):  # rotary positions go on, as in plain generate()
+        if self.max_positions is not None and (  # rotary positions go on, as in plain generate()
+                (self.learned_positions and prompt.numel() > self.max_positions)  # its first new token needs no row
+                or (self.default_length and budget is None and prompt.numel() >= self.max_positions)):
             raise ValueError(f"prompt {self.admitted} has {prompt.numel()} tokens: no room left in the target's "
                              f"{self.max_positions} positions")
         low, high = int(prompt.min()), int(prompt.max())
@@ -223,7 +224,7 @@ class Requests:
                 self.cut[row] = (0, ValueError(f"prompt {index} has {length} tokens, but max_length is "
                                                f"{generation_config.max_length}: set max_new_tokens, or a larger max_length"))
                 return 1
-        room = None if self.max_positions is None else self.max_positions - length
+        room = None if self.max_positions is None else self.max_positions - length + 1  # the last token is never fed
         if self.learned_positions and room is not None and budget > room:  # plain generate() fails there
             self.cut[row] = (room, ValueError(f"prompt {index}: its {length} tokens and {budget} new ones pass the "
                                               f"target's {self.max_positions} learned positions; it stopped at the last"))

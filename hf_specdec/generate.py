@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from transformers import Cache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
+from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -29,9 +30,10 @@ from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, check_argument
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
-from .continuous import Requests
+from .continuous import Requests, learned_positions
 from .planner import CostEstimates, Planner
 from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
+from .proposals.draft_model import context_length
 from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
@@ -194,6 +196,7 @@ class DecodeState:
     # A static batch with no EOS: plain generate() keeps decoding a row a criterion stopped (there is no
     # EOS to pad it with) until every row has stopped. Per original row, the new tokens it stopped at.
     held: dict[int, int] | None = None
+    max_positions: int | None = None  # the target's table of learned positions (GPT-2): its rows; None: rotary
 
     @property
     def caches(self) -> tuple[Cache | None, ...]:
@@ -247,7 +250,9 @@ def _start(
         stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
         outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
         requests=requests, cost_key=cost_key, pad_token_id=_pad_token_id(generation_config),
-        held={} if requests is None and rows > 1 and not any(hasattr(c, "eos_token_id") for c in stopping_criteria) else None,
+        held={} if requests is None and rows > 1 and not any(hasattr(c, "eos_token_id") or isinstance(c, MaxTimeCriteria)
+                                                                 for c in stopping_criteria) else None,  # a deadline stops all
+        max_positions=context_length(model.config) if learned_positions(model) else None,
     )
 
 

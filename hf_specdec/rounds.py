@@ -115,6 +115,8 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     if state.lookup is not None:
         state.lookup.sync(batch.prompt_host, batch.generated, batch.rows)  # the rows' new tokens, for each other
     room = 0 if planner.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
+    if state.max_positions is not None:  # a table of positions (GPT-2): fed tokens must not pass its last row
+        room = min(room, state.max_positions - batch.longest())
     draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max(0, min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room)),
@@ -412,6 +414,9 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
             for per_row in (outputs.scores, outputs.logits):
                 if per_row is not None:
                     del per_row[row][end:]
+            counted = extra - (counts[active[row]] if row in active else 0)  # emitted in earlier rounds
+            for stats in (state.stats, state.row_stats[row]):
+                stats.emitted -= max(0, counted)
         if row in active:
             batch.limits[row] = end
             if extra >= 0:

@@ -293,5 +293,8 @@ def test_a_row_that_stopped_and_left_at_its_budget_is_cut_back_too():
     plain = target.generate(ids, **kwargs)
     assert plain.shape[1] < ids.shape[1] + 38  # the batch ended at a stop, before the budget
     out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, noise=0.2),
-                          num_draft_tokens=4, costs=hf_specdec.Costs(draft_step=0.49, verify=0.18), **kwargs)
-    assert torch.equal(out, plain)
+                          num_draft_tokens=4, costs=hf_specdec.Costs(draft_step=0.49, verify=0.18),
+                          return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, plain)
+    new = plain.shape[1] - ids.shape[1]  # the tokens cut back are not counted as emitted either
+    assert out.acceptance.emitted == 4 * new and all(row.emitted == new for row in out.acceptance_per_row)

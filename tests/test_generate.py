@@ -135,6 +135,10 @@ def test_stop_strings_in_the_directory_form():
                               assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None,
                               tokenizer=tokenizer)
         assert torch.equal(out, plain) and target.generation_config.stop_strings == [stop]
+        out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                              assistant_model=draft, do_sample=False, max_new_tokens=20, eos_token_id=None,
+                              stop_strings=None)  # turns the model's default off, as in plain generate()
+        assert torch.equal(out, free)
     finally:
         target.generation_config.stop_strings = None
 
@@ -319,6 +323,7 @@ def test_errors_name_the_problem():
     for kwargs, strategy in ((dict(dola_layers="high"), "DoLa"), (dict(penalty_alpha=0.6, top_k=4), "contrastive search")):
         with pytest.raises(ValueError, match=f"does not do {strategy}"):  # it decoded greedily, silently
             spec(target, target, max_new_tokens=3, **kwargs)
+    spec(target, target, max_new_tokens=3, penalty_alpha=0.6, top_k=1)  # not contrastive search for transformers either
     with pytest.raises(ValueError, match="DynamicCache only"):
         spec(target, target, max_new_tokens=3, cache_implementation="static")
     with pytest.raises(ValueError, match="DynamicCache only"):

@@ -18,8 +18,9 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
     if streamer is not None:
         kwargs.setdefault("spec_streamer", streamer)
     passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
+    explicit = "stop_strings" in kwargs  # stop_strings=None turns the model's default off, as in plain generate()
     strings = kwargs.pop("stop_strings", None)
-    if strings is None:  # set in a GenerationConfig: the one passed, else the model's
+    if strings is None and not explicit:  # set in a GenerationConfig: the one passed, else the model's
         strings = getattr(passed, "stop_strings", None) or default
     if strings is not None:  # transformers drops `tokenizer` on the way to a callable: the criterion is built here
         from transformers import StoppingCriteriaList, StopStringCriteria
@@ -31,6 +32,6 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
         if getattr(passed, "stop_strings", None) is not None:
             kwargs["generation_config"] = passed = copy.deepcopy(passed)
             passed.stop_strings = None
-        if default is not None:  # else transformers fills the model's back in, then asks for the tokenizer
-            kwargs["stop_strings"] = None
+    if explicit or (strings is not None and default is not None):  # else transformers fills a config's back in
+        kwargs["stop_strings"] = None
     return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)

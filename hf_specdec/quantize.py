@@ -224,6 +224,19 @@ def _untie_config(model: nn.Module) -> None:
 
 
 @torch.no_grad()
+def _check_arguments(model: nn.Module, bits: int) -> None:
+    """quantize_weights' model and bits: a ValueError naming what is wrong (a model quantized or packed
+    already would be left as it is)."""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"quantize_weights takes a torch model (an nn.Module), got {type(model).__name__}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+        raise ValueError(f"unsupported bits={bits!r}: quantize_weights supports {SUPPORTED_BITS} (16 = unchanged)")
+    done = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("WeightOnlyLinear", "PackedLinear")})
+    if done and bits != 16:
+        raise ValueError(f"this model already has {' and '.join(done)} layers (quantized or packed): quantize the "
+                         "model as loaded")
+
+
 def quantize_weights(
     model: nn.Module,
     bits: int,
@@ -239,17 +252,10 @@ def quantize_weights(
     it (see the module docstring). Raises ValueError for other bits, for skip names that are not Linear
     layers of the model, for int4 shapes the kernel cannot take, and if this torch build lacks the kernels.
     """
-    if not isinstance(model, nn.Module):
-        raise ValueError(f"quantize_weights takes a torch model (an nn.Module), got {type(model).__name__}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
-        raise ValueError(f"unsupported bits={bits!r}: quantize_weights supports {SUPPORTED_BITS} (16 = unchanged)")
+    _check_arguments(model, bits)
     if bits == 16:
         return model
     skip = (skip,) if isinstance(skip, str) else tuple(skip)  # one name, not its letters
-    done = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("WeightOnlyLinear", "PackedLinear")})
-    if done:
-        raise ValueError(f"this model already has {' and '.join(done)} layers (quantized or packed): quantize the "
-                         "model as loaded")
     if getattr(model, "shares_weights_with", None) is not None:
         raise ValueError(
             "this model shares its weights with another (a self-speculative draft from "

@@ -103,10 +103,12 @@ class Requests:
         default_length: bool = False,  # nobody set max_length: plain generate()'s default budget per prompt
         max_positions: int | None = None,  # the target's positions (caps that default)
         learned_positions: bool = False,  # a table of absolute positions (GPT-2): none exists past max_positions
+        max_length: int | None = None,  # the call's max_length, where no max_new_tokens is set
     ):
         self.max_batch_size = max_batch_size
         self.device, self.vocab_size = device, vocab_size
         self.default_length, self.max_positions, self.learned_positions = default_length, max_positions, learned_positions
+        self.max_length = max_length
         self.on_result = on_result
         self.total = len(prompts) if hasattr(prompts, "__len__") else None
         self._source: Iterator = iter(prompts)
@@ -157,6 +159,9 @@ class Requests:
                 or (self.default_length and budget is None and prompt.numel() >= self.max_positions)):
             raise ValueError(f"prompt {self.admitted} has {prompt.numel()} tokens: no room left in the target's "
                              f"{self.max_positions} positions")
+        if budget is None and self.max_length is not None and prompt.numel() >= self.max_length:  # plain generate() raises
+            raise ValueError(f"prompt {self.admitted} has {prompt.numel()} tokens, but max_length is {self.max_length}: "
+                             "set max_new_tokens, or a larger max_length")
         low, high = int(prompt.min()), int(prompt.max())
         if low < 0 or (self.vocab_size is not None and high >= self.vocab_size):
             bad = low if low < 0 else high
@@ -275,6 +280,15 @@ class Requests:
             self._bar.close()
 
 
+def _setting(name: str, kwargs: dict, model: PreTrainedModel) -> Any:
+    """A generation setting as generate() resolves it: the keyword, else the config passed, else the model's."""
+    given = kwargs.get("generation_config")
+    for value in (kwargs.get(name), getattr(given, name, None), getattr(model.generation_config, name, None)):
+        if value is not None:
+            return value
+    return None
+
+
 def learned_positions(model: PreTrainedModel) -> bool:
     """Whether the model looks positions up in a table of `context_length` rows (GPT-2's `wpe`; OPT's has
     2 more), so none exists past it: rotary models compute any position."""
@@ -350,16 +364,16 @@ def generate_continuous(
     if "streamer" in generate_kwargs or "spec_streamer" in generate_kwargs:
         raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
     check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read
-    given = generate_kwargs.get("generation_config")
     for name in ("return_dict_in_generate", "output_scores", "output_logits"):
-        if generate_kwargs.get(name, getattr(given or model.generation_config, name, False)):
+        if _setting(name, generate_kwargs, model):
             raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
                              f"{name} has no place in it (one generate call per prompt returns scores)")
-    default_length = all(generate_kwargs.get(name) is None and (given is None or getattr(given, name) is None)
-                         and getattr(model.generation_config, name) is None for name in ("max_length", "max_new_tokens"))
+    max_length, max_new_tokens = (_setting(name, generate_kwargs, model) for name in ("max_length", "max_new_tokens"))
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
-                        vocab_size=model.get_input_embeddings().weight.shape[0], default_length=default_length,
-                        max_positions=context_length(model.config), learned_positions=learned_positions(model))
+                        vocab_size=model.get_input_embeddings().weight.shape[0],
+                        default_length=max_length is None and max_new_tokens is None,
+                        max_positions=context_length(model.config), learned_positions=learned_positions(model),
+                        max_length=max_length if max_new_tokens is None else None)
     try:
         first = requests.first()
         if first is not None:

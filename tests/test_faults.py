@@ -205,6 +205,12 @@ def test_a_request_past_learned_positions_or_max_length_fails_alone(models):
     assert not results[1].ok and "max_length" in str(results[1].error) and len(results[1].tokens) == 0
     for i in (0, 2):
         assert results[i].ok and torch.equal(results[i].tokens, plain(target, items[i], max_length=20))
+    # the same prompt first: it fails alone too (transformers' own check had stopped the whole stream)
+    items = [list(range(2, 40)), [5, 6, 7], {"input_ids": list(range(2, 40)), "max_new_tokens": 3}]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_length=20, do_sample=False)
+    assert not results[0].ok and "max_length is 20" in str(results[0].error)
+    assert results[1].ok and torch.equal(results[1].tokens, plain(target, items[1], max_length=20))
+    assert results[2].ok and torch.equal(results[2].tokens, plain(target, items[2]["input_ids"], max_new_tokens=3))
 
 
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):

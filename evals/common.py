@@ -296,10 +296,10 @@ def _add_lists(a: list[int], b: list[int]) -> list[int]:
 def round_log(rounds: list[hf_specdec.RoundRecord]) -> list[tuple[int, int, int]]:
     """What a record keeps of each round, (drafted, accepted, emitted): enough for `pooled_stats`. A tree
     round counts its depth as drafted, as the library's AcceptanceStats do (the most it could accept)."""
-    from hf_specdec.proposals.tree import depths
+    from hf_specdec.proposals.tree import tree_depth
 
-    return [(len(r.draft_tokens) if r.parents is None else 1 + max(depths(r.parents), default=-1), r.num_accepted,
-             len(r.emitted_tokens)) for r in rounds]
+    return [(len(r.draft_tokens) if r.parents is None else tree_depth(r.parents), r.num_accepted, len(r.emitted_tokens))
+            for r in rounds]
 
 
 def tree_counts(rounds: list[hf_specdec.RoundRecord]) -> dict:

@@ -19,7 +19,7 @@ from transformers.generation.logits_process import (ExponentialDecayLengthPenalt
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import UnsupportedCacheError, check_cache, column_bound
+from .cache import UnsupportedCacheError, check_cache, column_bound, local_window
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .retrieval import RetrievalCache
@@ -50,10 +50,7 @@ def continuous_settings(config, logits_processor, stopping_criteria, candidate_g
     if candidate_generator is not None and not isinstance(candidate_generator, Drafter):
         raise ValueError("continuous batching needs the draft model or an hf_specdec Drafter; a transformers "
                          "CandidateGenerator runs one row at a time")
-    most = getattr(candidate_generator, "max_rows", None)
-    if most is not None and max_batch_size > most:
-        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
-                         f"time; continuous batching with max_batch_size={max_batch_size} runs more")
+    _validate_rows(candidate_generator, max_batch_size, f"continuous batching with max_batch_size={max_batch_size} runs more")
     if streamer is not None:
         raise ValueError("streamers take one row; continuous batching runs many")
     if input_ids.shape[0] != 1:
@@ -102,12 +99,10 @@ def validate(
     if cached >= input_ids.shape[1]:
         raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
-    windows = _validate_layers(model, "target")
-    if getattr(model.config, "model_type", "") == "gpt_neo" and column_bound(model)[0]:
-        windows.append(model.config.window_size)  # local attention without a sliding-window cache layer
-    elif input_ids.shape[0] > 1 and column_bound(model)[0]:
+    windows, holes = _validate_layers(model, "target"), column_bound(model)[0]
+    if holes and not windows and input_ids.shape[0] > 1:  # no window a batch could be checked against
         raise UnsupportedCacheError(f"a batch of {input_ids.shape[0]} rows: rows that accept different numbers of "
-                                    f"tokens leave masked holes, and {column_bound(model)[0]}. Generate one row at a time.")
+                                    f"tokens leave masked holes, and {holes}. Generate one row at a time.")
     _validate_window(windows, input_ids, generation_config)
     _validate_same_function(model)
     if assistant is not None:
@@ -158,7 +153,7 @@ def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | Non
 
 
 def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
-    """The sliding windows of `model`'s cache layers; a named error for layers the loop cannot roll
+    """The windows of `model`'s attention (sliding-window cache layers, local attention); a named error for layers the loop cannot roll
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
     layers = DynamicCache(config=model.config).layers
@@ -168,7 +163,9 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
             f"the {who} has cache layers of type {', '.join(other)} (linear attention or another recurrent state): "
             "hf_specdec rolls rejected tokens back by cutting cache columns, which needs attention layers "
             "(full or sliding-window). Use plain generate() for this model.")
-    return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)]
+    local = local_window(model.config)  # local attention in full-attention cache layers counts columns too
+    return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)] + (
+        [] if local is None else [local])
 
 
 def _validate_window(windows: list[int], input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
@@ -350,16 +347,19 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
 
 def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int) -> None:
     """A candidate_generator's rows, and the draft model inside one of ours, checked as `assistant=` is."""
-    if candidate_generator is None:
-        return
-    most = candidate_generator.max_rows if isinstance(candidate_generator, Drafter) else 1
-    if most is not None and rows > most:
-        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
-                         f"time, got a batch of {rows} rows")
+    _validate_rows(candidate_generator, rows, f"got a batch of {rows} rows")
     inner = getattr(getattr(candidate_generator, "drafter", candidate_generator), "model", None)
     if isinstance(candidate_generator, Drafter) and isinstance(inner, PreTrainedModel):
         _validate_assistant(model, inner)
         _validate_layers(inner, "draft model (in the candidate_generator)")
+
+
+def _validate_rows(candidate_generator, rows: int, what: str) -> None:
+    """A candidate_generator asked for more rows than it proposes for (a transformers one: 1)."""
+    most = candidate_generator.max_rows if isinstance(candidate_generator, Drafter) else 1
+    if candidate_generator is not None and most is not None and rows > most:
+        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
+                         f"time; {what}")
 
 
 def _validate_same_function(model: PreTrainedModel) -> None:

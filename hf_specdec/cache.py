@@ -67,13 +67,20 @@ def select_rows(caches: Iterable[Cache | None], keep: torch.Tensor) -> None:  # 
             cache.batch_select_indices(keep)
 
 
+def local_window(config) -> int | None:
+    """The window of a local attention kept in full-attention cache layers (GPT-Neo's), or None."""
+    if getattr(config, "model_type", "") == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+        return config.window_size
+    return None
+
+
 def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
     """(why masked holes in a row change `model`'s attention, why a tree forward does): None where they do
     not. Attention that reads the mask and the position ids skips holes and places tree nodes at their
     depth; some models look at the columns themselves."""
     config = model.config
     kind = getattr(config, "model_type", "")
-    if kind == "gpt_neo" and "local" in (getattr(config, "attention_layers", None) or ()):
+    if local_window(config) is not None:
         why = f"GPT-Neo's local attention spans {config.window_size} columns, holes included"
         return why, why
     if kind == "mpt":

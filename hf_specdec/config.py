@@ -136,12 +136,7 @@ class SpeculativeConfig:
         # Types first (a bool is not a number here, though Python says True == 1), then ranges. An integer of
         # numpy or torch (a sweep's value) is taken as the int it is.
         for name in ("num_draft_tokens", "tree_max_nodes", "ngram_min_size", "draft_window"):
-            value = getattr(self, name)
-            if not isinstance(value, (bool, int, str, type(None))) and hasattr(value, "__index__"):
-                try:
-                    object.__setattr__(self, name, operator.index(value))
-                except TypeError:  # a float tensor, an array of several numbers: left for the checks below
-                    pass
+            object.__setattr__(self, name, as_int(getattr(self, name)))
         for name in ("num_draft_tokens", "tree_max_nodes"):
             _check_int(name, getattr(self, name), minimum=1)
         _check_int("ngram_min_size", self.ngram_min_size, minimum=1)
@@ -160,6 +155,17 @@ class SpeculativeConfig:
 
 # The settings' names: every one is also a keyword argument of `speculative_generate`.
 SETTINGS = tuple(f.name for f in fields(SpeculativeConfig))
+
+
+def as_int(value):
+    """A numpy or torch integer (a sweep's value) as the int it is; anything else (a bool, a float, a
+    float tensor, text) as it came, for the checks that follow to name."""
+    if isinstance(value, (bool, int)) or not hasattr(value, "__index__"):
+        return value
+    try:
+        return operator.index(value)
+    except TypeError:
+        return value
 
 
 def _check_int(name: str, value, minimum: int) -> None:

@@ -31,7 +31,7 @@ from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_pat
 from .host import to_device
 from .planner import Planner, RoundPlan
 from .proposals import DraftRequest, Proposal
-from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_proposal
+from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_depth, tree_proposal
 from .sampling import logits_to_probs
 from .stats import CACHE, DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
 from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, reads_are_free
@@ -452,7 +452,7 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     accepted = verdict.accepted
     for i, row in enumerate(state.batch.rows):
         # a tree counts its depth: the most tokens it could accept (its nodes are in the record)
-        length = proposal.length(i) if proposal.tree is None else 1 + max(depths(proposal.tree.parents), default=-1)
+        length = proposal.length(i) if proposal.tree is None else tree_depth(proposal.tree.parents)
         for counters in (state.stats, state.row_stats[row]):
             counters.record(length, accepted[i], emission.counts[i])
         # the row's own source; the forwards and seconds of the round it took part in (shared with the others)

@@ -21,10 +21,11 @@ it: that would quantize the target's layers too).
 from __future__ import annotations
 
 import copy
-import operator
 
 from torch import nn
 from transformers import PreTrainedModel
+
+from .config import as_int
 
 
 def decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
@@ -59,11 +60,7 @@ def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     if not isinstance(model, PreTrainedModel):
         raise ValueError(f"early_exit_draft takes a transformers causal LM, got {type(model).__name__}")
     base, name, layers = decoder_layers(model)
-    if not isinstance(num_layers, bool) and hasattr(num_layers, "__index__"):
-        try:
-            num_layers = operator.index(num_layers)  # a numpy or torch integer (a sweep's value)
-        except TypeError:  # a float tensor: refused below
-            pass
+    num_layers = as_int(num_layers)  # a numpy or torch integer (a sweep's value)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):
         raise ValueError(f"num_layers must be an integer from 1 to {len(layers)} (the target's layers), got {num_layers!r}")
     config = copy.deepcopy(model.config)

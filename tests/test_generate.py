@@ -314,7 +314,7 @@ def test_errors_name_the_problem():
     with pytest.raises(ValueError, match="streamers take one row"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate, assistant=target,
                         max_new_tokens=3, spec_streamer=Recorder())
-    with pytest.raises(ValueError, match="proposes for 1 row at a time, got a batch of 2 rows"):
+    with pytest.raises(ValueError, match="proposes for 1 row at a time; got a batch of 2 rows"):
         target.generate(PROMPT.repeat(2, 1), custom_generate=hf_specdec.speculative_generate,
                         candidate_generator=CandidateGenerator(),
                         max_new_tokens=3)
@@ -496,7 +496,7 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
                             max_new_tokens=3)
     # a source that proposes for one row: refused for a batch, and for a stream that runs several (it failed part-way)
     batch = torch.tensor([[1, 2, 3], [4, 5, 6]])
-    with pytest.raises(ValueError, match=r"NgramDrafter\) proposes for 1 row at a time, got a batch of 2 rows"):
+    with pytest.raises(ValueError, match=r"NgramDrafter\) proposes for 1 row at a time; got a batch of 2 rows"):
         target.generate(batch, custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
                         max_new_tokens=3, attention_mask=torch.ones_like(batch))
     with pytest.raises(ValueError, match="proposes for 1 row at a time; continuous batching with max_batch_size=2"):

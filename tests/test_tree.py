@@ -14,7 +14,7 @@ from hf_specdec.planner import Planner
 from hf_specdec.proposals.base import Proposal, Tree
 from hf_specdec.proposals.tree import (
     Trie, ancestors_mask, depths, longest_matches, match_bucket, match_length, ngram_continuations, path_tokens,
-    retrieval_reach, retrieve, tree_proposal,
+    retrieval_reach, retrieve, tree_depth, tree_proposal,
 )
 from hf_specdec.stats import DRAFT, NGRAM, NONE
 from hf_specdec.verify import greedy_tree_verification
@@ -85,7 +85,7 @@ def test_trie_merges_shared_prefixes_and_counts_continuations():
     assert trie.tokens == [2, 7, 4, 3, 8, 6] and trie.parents == [-1, 0, 1, -1, 3, 0]
     assert trie.counts == [2, 1, 1, 1, 1, 1] and trie.root_count == 3
     assert trie.children[-1] == [0, 3] and trie.children[0] == [1, 5]  # the draft's child first
-    assert depths(trie.parents) == [0, 1, 2, 0, 1, 1]
+    assert depths(trie.parents) == [0, 1, 2, 0, 1, 1] and tree_depth(trie.parents) == 3 and tree_depth([]) == 0
     assert path_tokens(trie.tokens, trie.parents, 2) == [2, 7, 4] and path_tokens(trie.tokens, trie.parents, -1) == []
     seen = ancestors_mask(trie.parents)
     assert seen[2].tolist() == [True, True, True, False, False, False]
@@ -288,7 +288,7 @@ def test_a_tree_round_counts_its_depth_as_drafted():
     out, records = _tree_records(target, perturbed(target, noise=0.2), REPETITIVE, do_sample=False)
     trees = [r for r in records if r.parents is not None]
     assert any(len(r.parents) > 1 + max(depths(r.parents)) for r in trees)  # some tree branched
-    depth = lambda r: len(r.draft_tokens) if r.parents is None else 1 + max(depths(r.parents), default=-1)  # noqa: E731
+    depth = lambda r: len(r.draft_tokens) if r.parents is None else tree_depth(r.parents)  # noqa: E731
     stats = out.acceptance
     assert stats.drafted == sum(depth(r) for r in records) == sum(stats.drafted_per_position)
     assert stats.accepted == sum(r.num_accepted for r in records) and 0 < stats.acceptance_rate <= 1

@@ -238,6 +238,11 @@ def depths(parents: list[int]) -> list[int]:
     return out
 
 
+def tree_depth(parents: list[int]) -> int:
+    """The most tokens a tree can accept: the nodes on its longest root-to-leaf path."""
+    return 1 + max(depths(parents), default=-1)
+
+
 def path_tokens(tokens: list[int], parents: list[int], node: int) -> list[int]:
     """The tokens from the root down to `node` (inclusive; empty for the root, -1)."""
     out = []

@@ -236,6 +236,12 @@ class Requests:
             return room
         return budget
 
+    def stopped_at_budget(self, row: int) -> None:
+        """Row `row`'s stopping criteria ended it on its budget's last token: a cut at learned positions is
+        no failure there (plain generate() stops before it would feed that token)."""
+        if self.cut.get(row, (0, None))[0] > 0:
+            del self.cut[row]
+
     def fail(self, row: int, error: BaseException) -> None:
         """Row `row` cannot go on (its stopping criteria raised): it finishes with this error."""
         self.failed[row] = error

@@ -89,40 +89,46 @@ def speculative_generate(
     ones win), `retrieval_cache` (earlier outputs as a retrieval source; its rows join it) and
     `requests` (continuous batching); docs/usage.md documents each. Returns the
     sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
-    config = check_arguments({k: v for k, v in locals().items() if k in OWN_ARGUMENTS})  # before any model work
-    logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor  # a direct call's None
-    stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
-    if streamer is None:
-        refuse_dropped_streamer(spec_streamer)
-    validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
-             streaming=streamer is not None or spec_streamer is not None)
-    validate_retrieval_cache(model, retrieval_cache)
-    if requests is not None:
-        config, stopping_criteria = continuous_settings(config, logits_processor, stopping_criteria, candidate_generator,
-                                                        input_ids, streamer or spec_streamer, requests.max_batch_size)
-    state = _start(
-        model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
-        candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
-        retrieval_cache,
-    )
-    if streamer is None and spec_streamer is not None:
-        spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
-    _run(state)
-    return _finish(state)
+    own = {k: v for k, v in locals().items() if k in OWN_ARGUMENTS}
+    try:
+        config = check_arguments(own)  # before any model work
+        logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor  # a direct call
+        stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
+        if streamer is None:
+            refuse_dropped_streamer(spec_streamer)
+        validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
+                 streaming=streamer is not None or spec_streamer is not None)
+        validate_retrieval_cache(model, retrieval_cache)
+        if requests is not None:
+            config, stopping_criteria = continuous_settings(
+                config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer or spec_streamer,
+                requests.max_batch_size)
+        state = _start(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
+            candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
+            retrieval_cache,
+        )
+        if streamer is None and spec_streamer is not None:
+            spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
+        _run(state)
+        return _finish(state)
+    except BaseException:  # validation included: a consumer iterating the streamer must not wait forever
+        _end_quietly(streamer or spec_streamer)
+        raise
+
+
+def _end_quietly(streamer: BaseStreamer | None) -> None:
+    if streamer is not None:
+        try:
+            streamer.end()
+        except Exception:
+            pass
 
 
 def _run(state: "DecodeState") -> None:
-    """`_decode`, then, however it ends, the sink closed and the rows joined to the retrieval cache; a
-    streamer is ended if it fails (a consumer iterating over it must not wait forever)."""
+    """`_decode`, then, however it ends, the sink closed and the rows joined to the retrieval cache."""
     try:
         _decode(state)
-    except BaseException:
-        if state.streamer is not None:
-            try:
-                state.streamer.end()
-            except Exception:
-                pass
-        raise
     finally:
         state.close_sink()
         if state.lookup is not None:

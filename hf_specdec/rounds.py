@@ -381,6 +381,8 @@ def emit(state: DecodeState, verdict: Verdict) -> Emission:
         for j in range(len(tokens)):
             if j + 1 >= left:
                 count, stopped = j + 1, True
+                if state.requests is not None and done[i * verdict.emitted.shape[1] + j]:
+                    state.requests.stopped_at_budget(row)  # EOS on a learned table's last position: plain ends fine
                 break
             if not stopped and done[i * verdict.emitted.shape[1] + j] and (held is None or row not in held):
                 if held is None:

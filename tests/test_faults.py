@@ -197,6 +197,14 @@ def test_a_request_past_learned_positions_or_max_length_fails_alone(models):
                                              do_sample=False)
     assert not results[0].ok and torch.equal(results[0].tokens, plain(gpt2, long, max_new_tokens=15))
     assert results[1].ok and torch.equal(results[1].tokens, plain(gpt2, [8, 9], max_new_tokens=200))
+    # EOS on the table's last position: plain generate() ends there without feeding it, and so does the request
+    last = plain(gpt2, long, max_new_tokens=15)
+    assert int(last[-1]) not in last[:-1].tolist()
+    results = hf_specdec.generate_continuous(gpt2, [{"input_ids": long, "max_new_tokens": 30}, [8, 9]],
+                                             assistant=perturbed(gpt2, noise=0.3), max_batch_size=2, do_sample=False,
+                                             eos_token_id=int(last[-1]), pad_token_id=0)
+    assert results[0].ok and torch.equal(results[0].tokens, last)
+    assert torch.equal(results[0].tokens, plain(gpt2, long, max_new_tokens=30, eos_token_id=int(last[-1]), pad_token_id=0))
     # a later prompt longer than max_length: plain generate() raises, this request fails alone with no tokens
     target, draft = models
     items = [[5, 6, 7], list(range(2, 40)), [8, 9]]
@@ -425,6 +433,30 @@ def test_spec_streamer_and_the_directory_form_stream_every_token(models):
                         custom_generate=hf_specdec.speculative_generate, assistant=draft, spec_streamer=streamer)
     consumer.join(timeout=10)
     assert not consumer.is_alive()
+
+
+@pytest.mark.parametrize("form", ["callable", "directory"])
+@pytest.mark.parametrize("bad", ["vocabulary", "sink path", "argument"])
+def test_a_call_refused_before_decoding_ends_the_streamer(models, tmp_path, form, bad):
+    """Before: a validation error (a draft of another vocabulary, an unwritable sink path, a bad argument) was
+    raised before the streamer was guarded, and a consumer iterating it waited forever."""
+    target, draft = models
+    kwargs = {"vocabulary": dict(assistant=type(draft)(type(draft.config)(**{**draft.config.to_dict(),
+                                                                             "vocab_size": 130})).eval()),
+              "sink path": dict(assistant=draft, acceptance_sink=str(tmp_path / "missing" / "log.jsonl")),
+              "argument": dict(assistant=draft, num_draft_tokens=0)}[bad]
+    streamer = TextIteratorStreamer(Spaces(), timeout=30)
+    if form == "callable":
+        kwargs.update(custom_generate=hf_specdec.speculative_generate, spec_streamer=streamer)
+    else:
+        kwargs.update(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, streamer=streamer,
+                      assistant_model=kwargs.pop("assistant"))
+    consumer = threading.Thread(target=lambda: list(streamer))
+    consumer.start()
+    with pytest.raises(ValueError):
+        target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, **kwargs)
+    consumer.join(timeout=10)
+    assert not consumer.is_alive(), "the consumer must not be left waiting"
 
 
 def test_an_acceptance_sink_path_that_cannot_be_written_is_named(models, tmp_path):

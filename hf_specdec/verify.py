@@ -75,6 +75,7 @@ def speculative_sampling(
                         by one recovered or bonus token, then PAD_TOKEN.
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
+    _check_values(draft_tokens, target_probs, draft_probs, _proposed(draft_tokens, lengths))
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
     accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]: length of accepted prefix
@@ -173,7 +174,7 @@ def _accepts(
 ) -> torch.Tensor:  # [batch, j] bool
     """Accept x_i with probability min(1, p(x_i) / q(x_i)): u * q < p with u ~ U[0, 1). Written
     without division so that p(x) == 0 never accepts, whatever q(x) is."""
-    index = draft_tokens.unsqueeze(-1)  # [batch, j, 1]
+    index = draft_tokens.clamp_min(0).unsqueeze(-1)  # [batch, j, 1]; padding past a row's length may be PAD_TOKEN
     p_x = target_probs[:, : draft_tokens.shape[1]].float().gather(-1, index).squeeze(-1)  # [batch, j]
     if draft_probs is None:
         return uniforms < p_x
@@ -199,7 +200,7 @@ def _extra_token(
     if draft_probs is None:
         # q = one-hot(x): max(0, p - q) is p with x's entry zeroed.
         x_n = torch.nn.functional.pad(draft_tokens, (0, 1))[rows, num_accepted]  # [batch]
-        residual = p_n.scatter(-1, x_n[:, None], 0.0)
+        residual = p_n.scatter(-1, x_n.clamp_min(0)[:, None], 0.0)  # at a padded position it is the bonus
         residual = torch.where(rejected[:, None], residual, p_n)
     else:
         q_n = torch.nn.functional.pad(draft_probs.float(), (0, 0, 0, 1))[rows, num_accepted]  # [batch, vocab]
@@ -246,8 +247,9 @@ def _assemble(
 
 
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None = None) -> None:
-    if draft_tokens.dim() != 2:
-        raise ValueError(f"draft_tokens must be [batch, k], got shape {tuple(draft_tokens.shape)}")
+    if draft_tokens.dim() != 2 or draft_tokens.is_floating_point() or draft_tokens.is_complex():
+        raise ValueError(f"draft_tokens must be [batch, k] integer ids, got shape {tuple(draft_tokens.shape)} "
+                         f"of {draft_tokens.dtype}")
     batch, k = draft_tokens.shape
     if target.dim() != 3 or target.shape[:2] != (batch, k + 1):
         raise ValueError(f"target distribution must be [batch={batch}, k+1={k + 1}, vocab], got {tuple(target.shape)}")
@@ -255,6 +257,22 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
         raise ValueError(
             f"draft distribution must be [batch={batch}, k={k}, vocab={target.shape[-1]}], got {tuple(draft.shape)}"
         )
+
+
+def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
+                  proposed: torch.Tensor) -> None:
+    """The eager rule's inputs by value (it is public; the decode loop calls the lazy rule, which reads
+    nothing to check): proposed ids inside the vocabulary, and probabilities, not logits."""
+    vocab = target.shape[-1]
+    if bool((((draft_tokens < 0) | (draft_tokens >= vocab)) & proposed).any()):
+        raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {vocab})")
+    for name, probs in (("target_probs", target), ("draft_probs", draft)):
+        if probs is None:
+            continue
+        sums = probs.float().sum(-1)
+        if bool((probs < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
+            raise ValueError(f"{name} must be probabilities (non-negative, summing to 1 over the vocabulary; "
+                             f"softmax of logits), got sums from {float(sums.min()):.3g} to {float(sums.max()):.3g}")
 
 
 # ---------------------------------------------------------------- trees of candidates

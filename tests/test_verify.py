@@ -100,6 +100,23 @@ def test_bad_shapes_are_named():
 # ---------------------------------------------------------------- seeded determinism
 
 
+@pytest.mark.parametrize("case, message", [
+    ("logits", "target_probs must be probabilities"), ("unnormalized", "draft_probs must be probabilities"),
+    ("out of vocabulary", r"outside the vocabulary \[0, 8\)"), ("float ids", "integer ids"),
+])
+def test_bad_values_are_named(case, message):
+    """Before: logits or unnormalized weights were verified silently, and an id past the vocabulary was a gather
+    error. Padding past a row's length may hold any id."""
+    g = torch.Generator().manual_seed(0)
+    tokens, q, p = torch.tensor([[1, 2, 3]]), torch.rand(1, 3, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    q, p = q / q.sum(-1, keepdim=True), p.softmax(-1)
+    bad = {"logits": (tokens, q, p.log()), "unnormalized": (tokens, 3 * q, p), "out of vocabulary": (tokens + 6, q, p),
+           "float ids": (tokens.float(), q, p)}[case]
+    with pytest.raises(ValueError, match=message):
+        speculative_sampling(*bad)
+    speculative_sampling(torch.tensor([[1, 2, PAD_TOKEN]]), q, p, lengths=torch.tensor([2]))
+
+
 def test_seeded_runs_repeat():
     torch.manual_seed(0)
     p = torch.softmax(torch.randn(64, 5, 10), -1)

@@ -245,6 +245,10 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
         if not (config.ngram and config.adaptive):
             raise ValueError("retrieval_cache is a retrieval source, planned like in-row lookup: it needs ngram=True "
                              "and adaptive=True (the defaults)")
+        if generator is not None and not isinstance(generator, Drafter):
+            raise ValueError("retrieval_cache is planned beside hf_specdec's own sources; a transformers "
+                             "CandidateGenerator proposes alone. Pass the draft as assistant= (or an hf_specdec Drafter) "
+                             "to use the cache")
     return config
 
 

@@ -48,7 +48,6 @@ class RaggedBatch:
     ):
         batch = prompt.shape[0]
         self.prompts = list(prompt.unbind(0))  # per original row: what processors see before its tokens
-        self.prompt_host = prompt.tolist()  # the same on the host, for lookups (read once, before any round)
         self.limits = [max_new_tokens] * batch  # per original row
         self.ids = prompt  # [active, seq]: the work sequence (with holes)
         # None only while nothing is padded and no hole exists (always the case at batch size 1).
@@ -60,6 +59,9 @@ class RaggedBatch:
         else:
             self.host_mask = None if self.mask is None else [[1] * prompt.shape[1] for _ in range(batch)]
         self.real = [prompt.shape[1]] * batch if self.host_mask is None else [sum(row) for row in self.host_mask]
+        # its real tokens on the host, for lookups (read once, before any round): no left padding in what is searched
+        self.prompt_host = prompt.tolist() if attention_mask is None else [
+            [t for t, m in zip(ids, mask) if m] for ids, mask in zip(prompt.tolist(), self.host_mask)]
         self.rows = list(range(batch))  # original row index of each active row
         self.generated: list[list[int]] = [[] for _ in range(batch)]  # per original row
         self.ids_are_real = True  # no hole and no compaction yet: ids rows equal the real sequences

@@ -239,7 +239,7 @@ def _start(
         if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
             planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
         lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
-                           planner.acceptance.lookup_at)
+                           planner.acceptance.lookup_at, vocab=model.get_output_embeddings().weight.shape[0])
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")

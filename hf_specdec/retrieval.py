@@ -118,6 +118,7 @@ class _Open:
         self.index_ngram = index_ngram
         self.tokens: dict[object, list[int]] = {}
         self.index: dict[tuple[int, ...], list[tuple[object, int]]] = {}
+        self.entries = self.live = 0  # index entries, and those of sequences still open
 
     def push(self, key: object, token: int) -> None:
         tokens = self.tokens[key]
@@ -125,10 +126,19 @@ class _Open:
         end = len(tokens)
         for n in range(1, min(self.index_ngram, end) + 1):
             self.index.setdefault(tuple(tokens[end - n : end]), []).append((key, end))
+        self.entries += min(self.index_ngram, end)
+        self.live += min(self.index_ngram, end)
 
     def pop(self, key: object) -> list[int]:
-        """A finished sequence leaves (its index entries are dropped as lookups meet them)."""
-        return self.tokens.pop(key)
+        """A finished sequence leaves. Its index entries are dropped as lookups meet them, and all at once
+        when dead entries outnumber live ones (so memory stays bounded by the open sequences)."""
+        tokens = self.tokens.pop(key)
+        self.live -= sum(min(self.index_ngram, end) for end in range(1, len(tokens) + 1))
+        if self.entries > 2 * self.live + 1024:
+            self.index = {gram: kept for gram, entries in self.index.items()
+                          if (kept := [e for e in entries if e[0] in self.tokens])}
+            self.entries = self.live
+        return tokens
 
     def matches(self, query: list[int], n: int, most: int, cap: int, exclude: object) -> list[tuple[list[int], int, int]]:
         """As `_Finished.matches`, over every open sequence but `exclude`, most recent first."""
@@ -145,7 +155,9 @@ class _Open:
                 if len(out) == most:
                     break
         if dead > most:
+            before = len(entries)
             entries[:] = [(key, end) for key, end in entries if key in self.tokens]
+            self.entries -= before - len(entries)
         return out
 
     def __len__(self) -> int:
@@ -212,12 +224,14 @@ class RetrievalCache:
     def extend(self, key: object, tokens: Sequence[int]) -> None:
         """Append tokens to the open sequence `key`."""
         with self._lock:
+            self._check_open(key)
             for token in self._ids(tokens):
                 self._open.push(key, token)
 
     def close(self, key: object) -> None:
         """The open sequence `key` is finished and joins the finished ones."""
         with self._lock:
+            self._check_open(key)
             self._add(self._open.pop(key))
 
     # ------------------------------------------------------------------ searching
@@ -236,8 +250,10 @@ class RetrievalCache:
         """`lookup`, and per continuation, per token, the share of the matched occurrences that went on
         past its parent and did so with that token (SuffixDecoding's frequency score): 1.0 where every
         earlier occurrence that continued continued the same way."""
-        query = [int(t) for t in list(query)[-self.max_match :]]
+        query = [operator.index(t) for t in list(query)[-self.max_match :]]  # ids, never rounded floats
         most, cap = self.max_occurrences, self.max_match
+        if isinstance(max_tokens, bool) or operator.index(max_tokens) < 1:
+            return [], 0, []
         with self._lock:
             for n in range(min(self.index_ngram, len(query)), min_match - 1, -1):
                 found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
@@ -282,23 +298,34 @@ class RetrievalCache:
         try:
             cache = cls(**data["settings"])
             learned = data.get("acceptance") or {}
-            pooled = float(learned.get("pooled", cache.acceptance.pooled))
-            per_size = {int(k): float(v) for k, v in learned.get("per_size", {}).items()}
-            seen = {int(k): int(v) for k, v in learned.get("seen", {}).items()}
-            if not all(0.0 <= p <= 1.0 for p in (pooled, *per_size.values())):  # NaN fails too
-                raise ValueError("an acceptance outside [0, 1]")
+            # an acceptance is kept per unit of share (`MatchAcceptance`), so it may pass 1; it is capped where read
+            pooled = _rate(learned.get("pooled", cache.acceptance.pooled))
+            per_size = {int(k): _rate(v) for k, v in learned.get("per_size", {}).items()}
+            seen = {int(k): _count(v) for k, v in learned.get("seen", {}).items()}
             sequences = data["sequences"]
             if not isinstance(sequences, list) or not all(isinstance(t, list) for t in sequences):
                 raise ValueError("sequences must be a list of lists of token ids")
+            with cache._lock:
+                for tokens in sequences:
+                    cache._add(cache._ids(tokens))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err
         cache.acceptance.pooled, cache.acceptance.per_size, cache.acceptance.seen = pooled, per_size, seen
-        with cache._lock:
-            for tokens in sequences:
-                cache._add(cache._ids(tokens))
         return cache
 
     # ------------------------------------------------------------------ internals
+
+    def __getstate__(self) -> dict:  # copy.deepcopy and pickle: everything but the lock
+        with self._lock:
+            return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.RLock()
+
+    def _check_open(self, key: object) -> None:
+        if key not in self._open.tokens:
+            raise ValueError(f"RetrievalCache: no sequence is open under {key!r} (open it first)")
 
     def _ids(self, tokens: Iterable[int]) -> list[int]:
         """Checked ids (`_token_id`), where every token enters the store; the largest is remembered."""
@@ -309,11 +336,12 @@ class RetrievalCache:
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""
         context = list(context)
-        return self._ids(context[len(context) - self.context :]) if self.context else []
+        return self._ids(context[max(0, len(context) - self.context) :]) if self.context else []
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:
             return
+        tokens = tokens[-max(1, int(0.9 * self.max_tokens) - 1) :]  # one sequence longer than the cache: its tail
         self._finished.add(tokens)
         self._lengths.append(len(tokens) + 1)
         if len(self._finished.tokens) > self.max_tokens:
@@ -330,6 +358,7 @@ class RetrievalCache:
         for length in lengths:
             self._add(tokens[start : start + length - 1])
             start += length
+        self.max_token_id = max([-1, *self._finished.tokens, *(max(t, default=-1) for t in self._open.tokens.values())])
 
     def _continuations(self, found: list[tuple[list[int], int, int]], max_tokens: int,
                        max_branches: int) -> tuple[list[list[int]], int, list[list[float]]]:
@@ -344,6 +373,19 @@ class RetrievalCache:
         went_on = {parent: sum(trie.counts[c] for c in children) for parent, children in trie.children.items()}
         shares = [[trie.counts[n] / went_on[trie.parents[n]] for n in nodes] for nodes in paths]
         return [[trie.tokens[n] for n in nodes] for nodes in paths], size, shares
+
+
+def _rate(value) -> float:
+    """A saved acceptance: a finite number >= 0 (not a string, not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
+        raise ValueError(f"an acceptance must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _count(value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"a count must be an integer >= 0, got {value!r}")
+    return value
 
 
 def _by_frequency(trie: Trie, max_branches: int) -> list[list[int]]:
@@ -369,8 +411,9 @@ class Retrieval:
     retrieve from each other). Per row, the source whose continuation the planner expects to be
     accepted more often (`estimate(size, source)`) is proposed; the other is scored unverified."""
 
-    def __init__(self, ngram, cache: RetrievalCache | None, estimate):
+    def __init__(self, ngram, cache: RetrievalCache | None, estimate, vocab: int | None = None):
         self.ngram, self.cache, self.estimate = ngram, cache, estimate
+        self.vocab = vocab  # the target's: a cache shared with a larger model's calls may hold ids past it
         self.min_ngram = ngram.min_ngram
         self._known: dict[int, int] = {}  # row -> its tokens the cache holds (prompt tail + generated)
         self._key = object()  # this call's rows, apart from other calls' in a shared cache
@@ -438,7 +481,14 @@ class Retrieval:
                     row: int) -> tuple[list[list[int]], int, list[list[float]]]:
         if self.cache is None or max_tokens < 1:
             return [], 0, []
-        return self.cache.lookup_shares(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
+        found, size, shares = self.cache.lookup_shares(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
+        if self.vocab is not None and self.cache.max_token_id >= self.vocab:  # cut each before its first foreign id
+            cut = [next((j for j, t in enumerate(c) if t >= self.vocab), len(c)) for c in found]
+            found, shares = [c[:j] for c, j in zip(found, cut)], [s[:j] for s, j in zip(shares, cut)]
+            kept = [i for i, c in enumerate(found) if c]
+            found, shares = [found[i] for i in kept], [shares[i] for i in kept]
+            size = size if found else 0
+        return found, size, shares
 
     def _better(self, cache_size: int, ngram_size: int, share: float) -> bool:
         """The cache's first token (its `share` of the earlier occurrences) is likelier kept than in-row's."""

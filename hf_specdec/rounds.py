@@ -206,7 +206,8 @@ def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:
     """Retrieved chains (host tokens) as one proposal, each row its own length."""
     k = max(len(c) for c in chains)
     tokens = to_device([c + [0] * (k - len(c)) for c in chains], device)
-    return Proposal(tokens, None, source=NGRAM, host=chains, sources=[NGRAM if c else NONE for c in chains])
+    return Proposal(tokens, None, source=NGRAM if any(chains) else NONE, host=chains,
+                    sources=[NGRAM if c else NONE for c in chains])
 
 
 def _mixed(chain: Proposal, retrieved: list[list[int] | None], lengths: list[int]) -> Proposal:
@@ -232,7 +233,7 @@ def _mixed(chain: Proposal, retrieved: list[list[int] | None], lengths: list[int
         host.append(row)
         sources.append(NGRAM if row else NONE)
     return dataclasses.replace(chain, tokens=tokens, draft_probs=q, host=host, sources=sources,
-                               source=DRAFT if DRAFT in sources else NGRAM,
+                               source=DRAFT if DRAFT in sources else NGRAM if NGRAM in sources else NONE,
                                confidences=[c[:m] for c, m in zip(chain.confidences, lengths)], runners_up=None)
 
 

@@ -87,11 +87,51 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
 
     good = json.loads((tmp_path / "cache.json").read_text())
     for broken in ({"format": FORMAT}, {**good, "settings": [1]}, {**good, "settings": {"foo": 1}},
-                   {**good, "acceptance": {"per_size": [1]}}, {**good, "acceptance": {"pooled": 5.0}},
+                   {**good, "acceptance": {"per_size": [1]}}, {**good, "acceptance": {"pooled": -1.0}},
+                   {**good, "acceptance": {"pooled": "0.5"}}, {**good, "acceptance": {"pooled": True}},
+                   {**good, "acceptance": {"seen": {"2": -1}}}, {**good, "sequences": [[1, -2]]},
                    {**good, "sequences": "abc"}, {**good, "sequences": [[1, 2.5]]}):
         (tmp_path / "bad.json").write_text(json.dumps(broken))
-        with pytest.raises(ValueError, match="bad.json|integers"):
+        with pytest.raises(ValueError, match="bad.json"):
             RetrievalCache.load(tmp_path / "bad.json")
+
+
+def test_bounds_hold_in_long_use_and_a_used_cache_round_trips(tmp_path):
+    """Before: a closed row's index entries stayed until a lookup met them (memory grew without bound
+    while len() stayed under max_tokens); a prompt shorter than `context` but over half of it kept
+    1-7 of its tokens; one sequence longer than the cache evicted itself; an acceptance learned with
+    shares under 1 (above 1 per unit of share, capped where read) made a file `load` refused."""
+    import copy
+    import random
+
+    rng = random.Random(0)
+    cache = RetrievalCache(max_tokens=1000, context=0)
+    sizes = []
+    for i in range(3001):
+        cache.open(i)
+        cache.extend(i, [rng.randrange(50_000) for _ in range(20)])
+        cache.close(i)
+        if i % 1000 == 0:
+            sizes.append(cache.memory_bytes())
+    assert len(cache) <= 1000 and max(sizes[1:]) < 1.5 * sizes[1], sizes  # it had grown 30 KB -> 17 MB -> 46 MB
+    for n in (8, 9, 12, 15, 16, 20):
+        short = RetrievalCache(context=16)
+        short.add([100, 101], context=list(range(n)))
+        assert len(short) == min(n, 16) + 2 + 1
+    tail = RetrievalCache(max_tokens=20, context=0)
+    tail.add(list(range(50)))
+    assert 0 < len(tail) <= 20 and tail.lookup([47], max_tokens=2) == ([[48, 49]], 1)  # its newest tokens kept
+    tail.add([7, 8])  # the long one is evicted: its ids no longer count against a smaller vocabulary
+    assert tail.max_token_id == 8 and len(tail) == 3
+    cache.acceptance.observe(2, True, 0.5)  # as generate() does with shares under 1
+    cache.save(tmp_path / "used.json")
+    assert RetrievalCache.load(tmp_path / "used.json").acceptance.per_size == cache.acceptance.per_size
+    assert copy.deepcopy(cache).lookup([1], max_tokens=3) == cache.lookup([1], max_tokens=3)  # no lock in a copy
+    with pytest.raises(ValueError, match="no sequence is open under 'nobody'"):
+        cache.extend("nobody", [1])
+    with pytest.raises(TypeError):
+        cache.lookup([1.7, 2.2], max_tokens=2)  # floats are not rounded into ids
+    assert cache.lookup([1], max_tokens=0) == ([], 0)
 
 
 @pytest.mark.parametrize("kwargs, name", [(dict(max_tokens=0), "max_tokens"), (dict(context=-1), "context"),
@@ -172,6 +212,38 @@ def test_retrieval_cache_arguments_are_checked():
         target.generate(prompt, retrieval_cache={}, **kwargs)
     with pytest.raises(ValueError, match="retrieval_cache .* needs ngram=True"):
         target.generate(prompt, retrieval_cache=RetrievalCache(), ngram=False, **kwargs)
+    # a transformers CandidateGenerator proposes alone: the cache had been ignored silently
+    with pytest.raises(ValueError, match="CandidateGenerator proposes alone"):
+        target.generate(prompt, retrieval_cache=RetrievalCache(), candidate_generator=hf_specdec.NgramCandidateGenerator(),
+                        custom_generate=hf_specdec.speculative_generate, max_new_tokens=3)
+
+
+def test_ids_past_the_target_vocabulary_added_while_a_call_runs_are_never_proposed():
+    """A cache shared with a larger model's calls in another thread: its ids were proposed to the smaller
+    target (an IndexError in the embedding; a device assert on CUDA). The sink stands in for the thread."""
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    vocab = target.config.vocab_size
+    prompt = torch.tensor([[3, 4, 5]])
+    cache = RetrievalCache(context=0)
+
+    def other_thread(record):
+        if record.round == 0:
+            for t in range(vocab):
+                cache.add([t, vocab + 10, vocab + 11, t])
+
+    out = target.generate(prompt, do_sample=False, max_new_tokens=20, custom_generate=hf_specdec.speculative_generate,
+                          assistant=draft, retrieval_cache=cache, acceptance_sink=other_thread, **PINNED)
+    assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=20))
+
+
+def test_left_padding_is_not_kept_as_a_prompt_tail():
+    target = tiny_model("llama", seed=1)
+    cache = RetrievalCache(context=16)
+    ids, mask = torch.tensor([[0, 0, 0, 5, 6, 7], [1, 2, 3, 5, 6, 7]]), torch.tensor([[0, 0, 0, 1, 1, 1], [1] * 6])
+    target.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=4, retrieval_cache=cache,
+                    custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, 0.5), **PINNED)
+    assert len(cache) == (3 + 4 + 1) + (6 + 4 + 1)  # the padded row's 3 pad ids are not context
 
 
 def test_a_continuous_stream_shares_one_cache_across_its_requests():
@@ -214,3 +286,14 @@ def test_the_source_passed_over_is_scored_against_the_emitted_tokens():
     # a lookup where only in-row lookup matches passes nothing over
     assert retrieval.match_rows(DraftRequest(torch.tensor([[4, 4]]), None, None, 3, host=[[4, 4]]), [0])[0][2] == NGRAM
     assert retrieval.passed_over == {}
+
+
+def test_a_round_whose_only_lookup_was_cut_to_nothing_is_labelled_plain():
+    """Before: the round said "ngram" while its one row said "none", so the call's statistics and the
+    per-row ones disagreed."""
+    from hf_specdec.proposals.base import Proposal
+    from hf_specdec.rounds import _mixed
+
+    chain = Proposal(torch.tensor([[4, 5]]), None, "draft", host=[[4, 5]], forwards=2, confidences=[[0.9, 0.8]])
+    mixed = _mixed(chain, [[]], [0])
+    assert mixed.source == mixed.source_of(0) == "none"

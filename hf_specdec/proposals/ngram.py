@@ -113,8 +113,9 @@ class NgramCandidateGenerator(CandidateGenerator):
         self.drafter = NgramDrafter(max_ngram, min_ngram, max_tokens)
 
     def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, None]:
-        if input_ids.shape[0] != 1:
-            raise ValueError(f"NgramCandidateGenerator proposes for one row at a time, got {input_ids.shape[0]}")
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+            raise ValueError("NgramCandidateGenerator proposes for one row at a time: input_ids must be [1, length], "
+                             f"got shape {tuple(input_ids.shape)}")
         proposal = ngram_lookup(input_ids[0], self.drafter.max_ngram, self.drafter.min_ngram, self.drafter.max_tokens)
         return torch.cat([input_ids, proposal[None]], dim=1), None
 

@@ -4,6 +4,7 @@ decode loop cannot do correctly (named, never silently wrong)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import inspect
 import os
@@ -23,6 +24,7 @@ from .cache import UnsupportedCacheError, check_cache, column_bound, local_windo
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .retrieval import RetrievalCache
+from .sampling import row_unsafe
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -59,6 +61,11 @@ def continuous_settings(config, logits_processor, stopping_criteria, candidate_g
         if any(isinstance(p, kind) for p in logits_processor or []):
             raise ValueError(f"{setting} counts from one prompt's length in transformers' processor; continuous "
                              "batching has many prompts (one generate call per prompt can use it)")
+    unknown = row_unsafe(logits_processor)
+    if unknown:  # transformers builds them from the call's input_ids: the first prompt (with any max_batch_size)
+        raise ValueError(f"{', '.join(unknown)} is not known to work row by row, and transformers builds such a "
+                         "processor from the call's first prompt; continuous batching has many prompts (one generate "
+                         "call per prompt can use it)")
     # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
     config = dataclasses.replace(config, tree=False, draft_window=None)
     stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
@@ -127,6 +134,9 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
                          "other's text.")
     if synced_gpus:
         raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+    if getattr(generation_config, "constraints", None) or getattr(generation_config, "force_words_ids", None):
+        raise ValueError("hf_specdec does not do constrained beam search (constraints / force_words_ids); "
+                         "it implements greedy and multinomial sampling only.")
     alpha = getattr(generation_config, "penalty_alpha", None)  # contrastive search, as transformers selects it
     contrastive = bool(alpha) and alpha > 0 and (generation_config.top_k or 0) > 1 and not generation_config.do_sample
     for name, strategy, asked in (("dola_layers", "DoLa decoding", getattr(generation_config, "dola_layers", None) is not None),
@@ -224,6 +234,18 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
 
 OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator", "spec_streamer",
                             "speculative_config", "retrieval_cache", "candidate_generator"})
+
+
+def call_defaults(logits_processor, stopping_criteria, generation_config: GenerationConfig):
+    """A direct call's None lists made empty; and the length plain generate() stops at: its shortest
+    `MaxLengthCriteria` (a user's replaces the config's, transformers warns), where that is not max_length."""
+    logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
+    stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
+    lengths = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
+    if lengths and min(lengths) != generation_config.max_length:
+        generation_config = copy.copy(generation_config)
+        generation_config.max_length = min(lengths)
+    return logits_processor, stopping_criteria, generation_config
 
 
 def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:

@@ -25,7 +25,7 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, check_arguments, continuous_settings, refuse_dropped_streamer,
+from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings, refuse_dropped_streamer,
                         validate, validate_retrieval_cache)
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
@@ -92,8 +92,8 @@ def speculative_generate(
     own = {k: v for k, v in locals().items() if k in OWN_ARGUMENTS}
     try:
         config = check_arguments(own)  # before any model work
-        logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor  # a direct call
-        stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
+        logits_processor, stopping_criteria, generation_config = call_defaults(logits_processor, stopping_criteria,
+                                                                               generation_config)
         if streamer is None:
             refuse_dropped_streamer(spec_streamer)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,

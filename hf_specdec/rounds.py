@@ -427,6 +427,11 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
                 counts[i], finished[i] = max(0, counts[i] - extra), True
 
 
+_ROW_BY_ROW = ("a stopping criterion answered {} values for one row: hf_specdec asks the criteria about each row "
+               "on its own (input_ids of shape [1, length]; rows of a batch differ in length), so a criterion must "
+               "answer per row of the input_ids it is given, not by a row's place in the batch")
+
+
 def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor], dict[int, Exception]]:
     """Per row and emitted-token slot, whether the stopping criteria stop after that token (device
     bools, `emitted.shape[1]` slots a row, padded with False), and the rows whose criterion raised
@@ -441,6 +446,8 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
             sequence = torch.cat([before, verdict.emitted[i : i + 1, : len(tokens)]], dim=1)
             for j in range(len(tokens)):
                 stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
+                if isinstance(stop, torch.Tensor) and stop.numel() != 1:  # a shape: no device read
+                    raise ValueError(_ROW_BY_ROW.format(stop.numel()))
                 row.append(stop.all() if isinstance(stop, torch.Tensor) else (yes if stop else no))
         except Exception as error:
             if state.requests is None:

@@ -271,8 +271,13 @@ def check_stateless(processor: LogitsProcessorList | None) -> None:
         )
 
 
+def row_unsafe(processor: LogitsProcessorList | None) -> list[str]:
+    """The processors not known to work row by row (each row its own call, as batches and streams run them)."""
+    return [type(p).__name__ for p in processor or [] if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
+
+
 def _check_row_safe(processor: LogitsProcessorList) -> None:
-    unknown = [type(p).__name__ for p in processor if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
+    unknown = row_unsafe(processor)
     if unknown:
         raise ValueError(
             f"batched speculative decoding applies logits processors row by row, and {', '.join(unknown)} "

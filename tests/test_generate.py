@@ -101,6 +101,58 @@ def test_directory_form_with_standard_argument_names():
     assert torch.equal(out.sequences, plain) and out.acceptance.rounds > 0
 
 
+def test_token_healing_in_the_directory_form_heals_as_plain_generate():
+    """Before: transformers dropped `tokenizer` on its way to the callable, and healing failed asking for the
+    tokenizer it had been given. The directory form heals the prompt first (`model.heal_tokens`)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from tiny import tiny_pair
+
+    target, draft, tokenizer = tiny_pair()
+    prompt = tokenizer("hello there", return_tensors="pt").input_ids
+    kwargs = dict(do_sample=False, max_new_tokens=12, token_healing=True, tokenizer=tokenizer)
+    out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                          assistant_model=draft, **kwargs)
+    assert torch.equal(out, target.generate(prompt, **kwargs))
+
+
+def test_what_plain_generate_stops_on_is_what_hf_specdec_stops_on():
+    """Before: a user's MaxLengthCriteria (which replaces the config's in plain generate()) was cut to the
+    config's max_length; a criterion answering by a row's place in the batch never stopped a row; a
+    constrained beam search (force_words_ids) decoded greedily without the words."""
+    from transformers import MaxLengthCriteria
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.5)
+    kwargs = dict(max_new_tokens=10, do_sample=False, stopping_criteria=StoppingCriteriaList([MaxLengthCriteria(30)]))
+    plain = target.generate(PROMPT, **kwargs)
+    assert plain.shape[1] == 30 and torch.equal(spec(target, draft, **kwargs), plain)
+
+    class ByPlace(StoppingCriteria):  # row b stops on token stop[b]: it needs the whole batch
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == torch.tensor([1, 2, 3])
+
+    batch = PROMPT.repeat(3, 1)
+    with pytest.raises(ValueError, match="answered 3 values for one row"):
+        target.generate(batch, custom_generate=hf_specdec.speculative_generate, assistant=draft, max_new_tokens=5,
+                        do_sample=False, stopping_criteria=StoppingCriteriaList([ByPlace()]))
+    with pytest.raises(ValueError, match="constrained beam search"):
+        spec(target, draft, max_new_tokens=5, do_sample=False, force_words_ids=[[5]])
+
+
+def test_a_processor_built_from_the_first_prompt_is_refused_before_a_stream_starts():
+    """Before: the first prompt ran, then the stream stopped with "run such a generation one row at a time"."""
+    target = tiny_model("llama", seed=1)
+    seen = []
+    with pytest.raises(ValueError, match="EncoderRepetitionPenaltyLogitsProcessor .* first prompt"):
+        hf_specdec.generate_continuous(target, iter([[1, 5, 9], [1, 2, 3]]), assistant=perturbed(target, noise=0.5),
+                                       max_batch_size=1, max_new_tokens=5, do_sample=False,
+                                       encoder_repetition_penalty=1.5, on_result=seen.append)
+    assert not seen
+
+
 def test_stop_strings_in_the_directory_form():
     """transformers drops `tokenizer` on its way to a callable custom_generate; the directory form
     builds the stop-string criterion itself and stops where plain generate() stops (the eval's

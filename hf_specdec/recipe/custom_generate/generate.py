@@ -18,6 +18,8 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
     if streamer is not None:
         kwargs.setdefault("spec_streamer", streamer)
     passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
+    if kwargs.get("token_healing", getattr(passed or model.generation_config, "token_healing", False)):
+        _heal(model, kwargs)
     explicit = "stop_strings" in kwargs  # stop_strings=None turns the model's default off, as in plain generate()
     strings = kwargs.pop("stop_strings", None)
     if strings is None and not explicit:  # set in a GenerationConfig: the one passed, else the model's
@@ -35,3 +37,16 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
     if explicit or (strings is not None and default is not None):  # else transformers fills a config's back in
         kwargs["stop_strings"] = None
     return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)
+
+
+def _heal(model, kwargs):
+    """Token healing as plain generate() does it (`model.heal_tokens`, before decoding): transformers drops
+    `tokenizer` on the way to a callable, which would then fail asking for the tokenizer it was given."""
+    if kwargs.get("tokenizer") is None:
+        raise ValueError("token_healing needs the tokenizer: pass tokenizer=... to generate()")
+    key = "inputs" if kwargs.get("inputs") is not None else "input_ids"
+    kwargs[key] = model.heal_tokens(kwargs[key], kwargs["tokenizer"])
+    kwargs["token_healing"] = False
+    mask = kwargs.get("attention_mask")
+    if mask is not None and bool(mask.all()):  # plain generate() drops an all-ones mask before healing
+        kwargs.pop("attention_mask")

@@ -65,6 +65,9 @@ def select_rows(caches: Iterable[Cache | None], keep: torch.Tensor) -> None:  # 
     for cache in caches:
         if cache is not None:
             cache.batch_select_indices(keep)
+            for layer in cache.layers:  # transformers skips a cache with no columns: its rows must go too
+                if layer.keys is not None and layer.keys.dim() == 4 and layer.keys.shape[0] != keep.numel():
+                    layer.keys, layer.values = layer.keys[keep], layer.values[keep]
 
 
 def local_window(config) -> int | None:
@@ -146,14 +149,14 @@ def pad_front(caches: Iterable[Cache | None], columns: int) -> None:
 
 
 def clear(caches: Iterable[Cache | None]) -> None:
-    """Drop every column of caches whose batch has no row left (continuous batching: new rows will
-    join empty caches; a cache without rows reports length 0 whatever its columns)."""
+    """Drop every row and column of caches whose batch has no row left (continuous batching: new rows
+    will join empty caches)."""
     for cache in caches:
         if cache is None:
             continue
         for layer in cache.layers:
-            if layer.keys is not None and layer.keys.dim() == 4:
-                layer.keys, layer.values = layer.keys[:, :, :0], layer.values[:, :, :0]
+            if layer.keys is not None and layer.keys.dim() == 4:  # no row and no column: joining rows start it
+                layer.keys, layer.values = layer.keys[:0, :, :0], layer.values[:0, :, :0]
 
 
 def add_row(

@@ -221,6 +221,21 @@ def test_a_request_past_learned_positions_or_max_length_fails_alone(models):
     assert results[2].ok and torch.equal(results[2].tokens, plain(target, items[2]["input_ids"], max_new_tokens=3))
 
 
+@pytest.mark.parametrize("max_batch_size", [1, 2])
+def test_requests_that_never_draft_leave_no_row_behind(models, max_batch_size):
+    """Before: a request that finished without drafting (a budget of one token) left an empty row in the
+    draft's cache (transformers' batch_select_indices skips a cache with no columns, and an emptied cache
+    kept its rows), and the next draft forward stopped the stream with a size mismatch."""
+    target, draft = models
+    items = [[6, 7, 8], {"input_ids": [1, 2, 3], "max_new_tokens": 1}, {"input_ids": [4, 5], "max_new_tokens": 1},
+             [9, 10, 11]]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_batch_size=max_batch_size,
+                                             max_new_tokens=12, do_sample=False, **PINNED)
+    for result, item in zip(results, items):
+        prompt, budget = (item["input_ids"], item["max_new_tokens"]) if isinstance(item, dict) else (item, 12)
+        assert result.ok and torch.equal(result.tokens, plain(target, prompt, max_new_tokens=budget))
+
+
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):
     """1,000 short prompts, 5% of them bad: every good one equals plain greedy, every bad one carries
     its error, and the caches stay bounded (rows leave, holes are compacted)."""

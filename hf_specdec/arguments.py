@@ -123,6 +123,9 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
         raise ValueError("the generation config has no max_length: speculative_generate takes the config that "
                          "model.generate() prepares; call model.generate(input_ids, custom_generate="
                          "hf_specdec.speculative_generate, assistant=draft, max_new_tokens=...)")
+    if isinstance(generation_config.max_length, bool) or not isinstance(generation_config.max_length, int):
+        raise ValueError(f"max_new_tokens and max_length must be integers, got max_new_tokens="
+                         f"{generation_config.max_new_tokens!r}, max_length={generation_config.max_length!r}")
     if generation_config.num_beams not in (None, 1):
         raise ValueError(
             f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "

@@ -66,6 +66,7 @@ class StreamResult:
     tokens: torch.Tensor  # [n]: the generated tokens (through the stopping token, if one stopped it)
     acceptance: AcceptanceStats
     error: BaseException | None = None
+    row: int | None = None  # its row in the decode loop: `RoundRecord.row` of its acceptance_sink records (None: never ran)
 
     @property
     def ok(self) -> bool:
@@ -133,6 +134,10 @@ class Requests:
         if isinstance(item, Mapping):
             if "input_ids" not in item:
                 raise ValueError(f"prompt {self.admitted} is a mapping without 'input_ids'")
+            unknown = sorted(map(str, set(item) - {"input_ids", "attention_mask", "max_new_tokens"}))
+            if unknown:  # a misspelt budget, or a setting that applies to the whole call only
+                raise ValueError(f"prompt {self.admitted} has keys {unknown}: a prompt mapping takes input_ids, "
+                                 "attention_mask and max_new_tokens; generation settings are the call's")
             if item.get("max_new_tokens") is not None:
                 budget = item["max_new_tokens"]
                 if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
@@ -223,11 +228,12 @@ class Requests:
         elif self.default_length:
             limit = TRANSFORMERS_DEFAULT_MAX_LENGTH + length
             budget = max(1, (limit if self.max_positions is None else min(limit, self.max_positions)) - length)
-        else:
-            budget = generation_config.max_length - length
+        else:  # the call's max_length (the first call's config may hold a first prompt's own longer one)
+            limit = self.max_length or generation_config.max_length
+            budget = limit - length
             if budget < 1:  # plain generate() raises; this request fails alone (its one token is dropped)
                 self.cut[row] = (0, ValueError(f"prompt {index} has {length} tokens, but max_length is "
-                                               f"{generation_config.max_length}: set max_new_tokens, or a larger max_length"))
+                                               f"{limit}: set max_new_tokens, or a larger max_length"))
                 return 1
         room = None if self.max_positions is None else self.max_positions - length + 1  # the last token is never fed
         if self.learned_positions and room is not None and budget > room:  # plain generate() fails there
@@ -250,7 +256,8 @@ class Requests:
         error, (limit, cut) = self.failed.pop(row, None), self.cut.pop(row, (len(tokens) + 1, None))
         if error is None and len(tokens) >= limit:  # it reached the cut in its budget
             error, tokens = cut, tokens[:limit]
-        self._deliver(StreamResult(self.stream_index[row], prompt, to_device(tokens, prompt.device), acceptance, error))
+        self._deliver(StreamResult(self.stream_index[row], prompt, to_device(tokens, prompt.device), acceptance, error,
+                                   row=row))
 
     def _deliver(self, result: StreamResult) -> None:
         self.results[result.index] = result
@@ -336,6 +343,37 @@ def _as_ids(item: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.long)
 
 
+def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs) -> None:
+    """`generate_continuous`'s arguments, before the first prompt is read (a streamer given is ended)."""
+    from .arguments import check_arguments
+
+    for name in ("streamer", "spec_streamer"):
+        if generate_kwargs.get(name) is not None:
+            generate_kwargs[name].end()  # a consumer iterating it must not wait
+            raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished "
+                             "prompt). The streamer has been ended.")
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
+    if on_result is not None and not callable(on_result):
+        raise ValueError(f"on_result must be callable, got {type(on_result).__name__}")
+    if not isinstance(progress, bool):
+        raise ValueError(f"progress must be True or False, got {progress!r}")
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
+        raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
+    if "attention_mask" in generate_kwargs:
+        raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
+                         "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
+    check_arguments(dict(generate_kwargs, assistant=assistant))
+    for name in ("return_dict_in_generate", "output_scores", "output_logits"):
+        if _setting(name, generate_kwargs, model):
+            raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
+                             f"{name} has no place in it (one generate call per prompt returns scores)")
+    for name in ("max_new_tokens", "max_length"):  # plain generate() takes 2.5 and rounds; the loop needs integers
+        value = generate_kwargs.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
 def generate_continuous(
     model: PreTrainedModel,
     prompts: Iterable[PromptItem],
@@ -352,28 +390,10 @@ def generate_continuous(
     `temperature`, `generator`, `acceptance_sink`, `costs`, ...). Returns one `StreamResult` per
     prompt in the order given (a failed one with its `error`); `on_result` receives each as soon as
     its row finishes. Raises `StreamError` (with the complete results) if the stream stopped early."""
-    from .arguments import check_arguments
     from .generate import speculative_generate
     from .proposals.draft_model import context_length
 
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
-        raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
-    if on_result is not None and not callable(on_result):
-        raise ValueError(f"on_result must be callable, got {type(on_result).__name__}")
-    if not isinstance(progress, bool):
-        raise ValueError(f"progress must be True or False, got {progress!r}")
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
-        raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
-    if "attention_mask" in generate_kwargs:
-        raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
-                         "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
-    if "streamer" in generate_kwargs or "spec_streamer" in generate_kwargs:
-        raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished prompt)")
-    check_arguments(dict(generate_kwargs, assistant=assistant))  # before the first prompt is read
-    for name in ("return_dict_in_generate", "output_scores", "output_logits"):
-        if _setting(name, generate_kwargs, model):
-            raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
-                             f"{name} has no place in it (one generate call per prompt returns scores)")
+    _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs)
     max_length, max_new_tokens = (_setting(name, generate_kwargs, model) for name in ("max_length", "max_new_tokens"))
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0],
@@ -382,10 +402,12 @@ def generate_continuous(
                         max_length=max_length if max_new_tokens is None else None)
     try:
         first = requests.first()
-        if first is not None:
+        if first is not None:  # a first prompt past max_length with a budget of its own: transformers would refuse it
+            longer = {} if 0 not in requests.budgets or first.numel() < (requests.max_length or 1 << 62) else dict(
+                max_length=first.numel() + requests.budgets[0])  # later prompts' budgets read requests.max_length
             model.generate(
                 first[None], attention_mask=torch.ones_like(first[None]), custom_generate=speculative_generate,
-                assistant=assistant, requests=requests, **generate_kwargs,
+                assistant=assistant, requests=requests, **{**generate_kwargs, **longer},
             )
     except Exception as error:
         if not requests.results:

@@ -236,6 +236,49 @@ def test_requests_that_never_draft_leave_no_row_behind(models, max_batch_size):
         assert result.ok and torch.equal(result.tokens, plain(target, prompt, max_new_tokens=budget))
 
 
+def test_stream_requests_are_read_as_plain_generate_reads_them(models):
+    """Before: a first request with its own budget and a prompt of max_length tokens or more stopped the
+    whole stream (transformers' own length check); a float max_new_tokens crashed in the planner; unknown
+    keys in a request (a misspelt budget) were ignored; sink records could not be matched to results."""
+    target, draft = models
+    items = [{"input_ids": [9] * 12, "max_new_tokens": 3}, [1, 2]]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, do_sample=False, max_length=9)
+    assert torch.equal(results[0].tokens, plain(target, [9] * 12, max_new_tokens=3))
+    assert torch.equal(results[1].tokens, plain(target, [1, 2], max_length=9))  # the call's max_length still holds
+    for kwargs in (dict(max_new_tokens=2.5), dict(max_new_tokens=3.0)):
+        with pytest.raises(ValueError, match="max_new_tokens must be a positive integer"):
+            hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, **kwargs)
+        with pytest.raises(ValueError, match="must be integers"):
+            target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                            do_sample=False, **kwargs, **PINNED)
+    records = []
+    items = [[1, 2, 3], {"input_ids": [4, 5], "max_new_token": 3}, [999], [6, 7], [8]]
+    results = hf_specdec.generate_continuous(target, items, assistant=draft, max_new_tokens=6, do_sample=False,
+                                             acceptance_sink=records.append, max_batch_size=2, **PINNED)
+    assert not results[1].ok and "max_new_token" in str(results[1].error) and results[1].row is None
+    for result in (results[0], results[3], results[4]):
+        mine = [t for r in records if r.row == result.row for t in r.emitted_tokens]
+        assert result.ok and mine == result.tokens.tolist()
+
+
+@pytest.mark.parametrize("where", ["stream", "directory form"])
+def test_a_refused_streamer_is_ended(models, where):
+    """Before: generate_continuous refusing a streamer, and the directory form refusing stop_strings without a
+    tokenizer, left a consumer iterating the streamer waiting forever."""
+    target, draft = models
+    streamer = TextIteratorStreamer(Spaces(), timeout=30)
+    consumer = threading.Thread(target=lambda: list(streamer))
+    consumer.start()
+    with pytest.raises(ValueError, match="streamers take one row|needs the tokenizer"):
+        if where == "stream":
+            hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, spec_streamer=streamer)
+        else:
+            target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.CUSTOM_GENERATE_DIR,
+                            trust_remote_code=True, assistant_model=draft, streamer=streamer, stop_strings=["x"])
+    consumer.join(timeout=10)
+    assert not consumer.is_alive(), "the consumer must not be left waiting"
+
+
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):
     """1,000 short prompts, 5% of them bad: every good one equals plain greedy, every bad one carries
     its error, and the caches stay bounded (rows leave, holes are compacted)."""

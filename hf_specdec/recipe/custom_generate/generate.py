@@ -11,6 +11,18 @@ import hf_specdec
 
 
 def generate(model, assistant_model=None, streamer=None, **kwargs):
+    try:
+        kwargs = _arguments(model, assistant_model, streamer, kwargs)
+    except BaseException:
+        if streamer is not None:
+            streamer.end()  # a consumer iterating it must not wait (past this point the callable form ends it)
+        raise
+    return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)
+
+
+def _arguments(model, assistant_model, streamer, kwargs):
+    """The callable form's arguments: the draft and streamer under its names, stop strings and token healing
+    done here with the tokenizer (transformers drops it on the way to a callable)."""
     kwargs.pop("custom_generate", None)
     kwargs.pop("trust_remote_code", None)
     if assistant_model is not None:
@@ -36,7 +48,7 @@ def generate(model, assistant_model=None, streamer=None, **kwargs):
             passed.stop_strings = None
     if explicit or (strings is not None and default is not None):  # else transformers fills a config's back in
         kwargs["stop_strings"] = None
-    return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)
+    return kwargs
 
 
 def _heal(model, kwargs):

@@ -349,7 +349,8 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
 
     for name in ("streamer", "spec_streamer"):
         if generate_kwargs.get(name) is not None:
-            generate_kwargs[name].end()  # a consumer iterating it must not wait
+            if callable(getattr(generate_kwargs[name], "end", None)):
+                generate_kwargs[name].end()  # a consumer iterating it must not wait
             raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished "
                              "prompt). The streamer has been ended.")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:

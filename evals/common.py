@@ -8,8 +8,10 @@ from here, so a figure computed by two scripts is computed by one function.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import importlib
+import json
 import math
 import statistics
 import subprocess
@@ -123,6 +125,61 @@ PACK_HELP = ("both models in float32 with oneDNN-packed linears (hf_specdec.pack
              "keeps int8 copies for its one-token steps with --draft-bits 8, none with 4 or 16)")
 
 
+# ---------------------------------------------------------------- argument types: bad input fails in one line, before loading
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def threads_count(text: str) -> int:
+    try:
+        return 0 if text.strip() == "0" else positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or a positive integer, got {text!r}") from None
+
+
+def existing_path(text: str) -> str:
+    if not Path(text).exists():
+        raise argparse.ArgumentTypeError(f"{text} does not exist")
+    return text
+
+
+def cost_table_file(text: str) -> str:
+    """A path that reads as a cost table (`costs.load_table`), checked before any model loads."""
+    from costs import load_table
+
+    try:
+        load_table(Path(existing_path(text)))
+    except argparse.ArgumentTypeError:
+        raise
+    except Exception as err:  # malformed JSON, missing fields
+        raise argparse.ArgumentTypeError(f"{text} is not a cost table: {type(err).__name__}: {err}") from None
+    return text
+
+
+def out_folder(text: str) -> str:
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; --out names a folder")
+    return text
+
+
+def json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------- the options the scripts share
 
 REQUIRED = object()  # add_options(parser, out=REQUIRED): the option must be given
@@ -132,9 +189,10 @@ OPTIONS = {  # each shared option, defined once: (flag, argparse settings)
     "draft_bits": ("--draft-bits", dict(type=int, choices=(4, 8, 16), default=8,
                                         help="weight-only quantization of hf_specdec's draft (16: none; default int8)")),
     "pack": ("--pack", dict(action="store_true", help=PACK_HELP)),
-    "threads": ("--threads", dict(type=int, default=0, help="torch threads (0: torch's default)")),
-    "out": ("--out", dict(default=None, help="the folder the outputs are written to")),
-    "cost_table": ("--cost-table", dict(default=None, help="a cost_table.json: prices the work and pins hf_specdec's costs")),
+    "threads": ("--threads", dict(type=threads_count, default=0, help="torch threads (0: torch's default)")),
+    "out": ("--out", dict(type=out_folder, default=None, help="the folder the outputs are written to")),
+    "cost_table": ("--cost-table", dict(type=cost_table_file, default=None,
+                                        help="a cost_table.json: prices the work and pins hf_specdec's costs")),
 }
 
 

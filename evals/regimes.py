@@ -43,7 +43,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-from common import MODES, REQUIRED, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import (  # noqa: E402
+    MODES, REQUIRED, add_options, apply_threads, cost_table_file, existing_path, geometric_mean, load_pair, load_prompts,
+    positive_int, speedup_over_plain,
+)
 from costs import CostTable, load_table, plain_work  # noqa: E402
 from hf_specdec.config import lazy_scored  # noqa: E402
 
@@ -427,39 +430,66 @@ def check_command(args) -> None:
         chains = 0
 
 
+def replay_folders(text: str) -> str:
+    """DIR[,DIR,...], each holding a replay.jsonl (or NAME=DIR,...): checked before any model loads."""
+    folders = text.rpartition("=")[2]
+    for folder in folders.split(","):
+        if not (Path(folder) / "replay.jsonl").is_file():
+            raise argparse.ArgumentTypeError(f"{folder or '(empty)'} holds no replay.jsonl")
+    return text
+
+
+def regime_spec(text: str) -> str:
+    """NAME=COST_TABLE:DIR[,DIR,...]: the table reads as one and each folder holds a replay."""
+    name, _, rest = text.partition("=")
+    table_path, _, folders = rest.partition(":")
+    if not name or not table_path or not folders:
+        raise argparse.ArgumentTypeError(f"expected NAME=COST_TABLE:DIR[,DIR,...], got {text!r}")
+    cost_table_file(table_path)
+    replay_folders(folders)
+    return text
+
+
+def fixed_k(text: str) -> str:
+    k, _, folders = text.partition("=")
+    if not k.isdigit() or int(k) < 1:
+        raise argparse.ArgumentTypeError(f"expected K=DIR,DIR,... with a positive K, got {text!r}")
+    return replay_folders(folders)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sim = sub.add_parser("simulate", help="fixed-k greedy work from one teacher-forced draft pass per prompt")
     add_options(sim, out=REQUIRED)
     add_options(sim, "threads")
-    sim.add_argument("--records", default=str(STANDARD))
-    sim.add_argument("--max-new-tokens", type=int, default=64)
+    sim.add_argument("--records", type=existing_path, default=str(STANDARD))
+    sim.add_argument("--max-new-tokens", type=positive_int, default=64)
     tab = sub.add_parser("table", help="the planner against the best fixed strategy, per regime, mode and category")
-    tab.add_argument("--records", default=str(STANDARD))
-    tab.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
-    tab.add_argument("--fixed", nargs="+", default=[],
+    tab.add_argument("--records", type=existing_path, default=str(STANDARD))
+    tab.add_argument("--regime", type=regime_spec, action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
+    tab.add_argument("--fixed", type=replay_folders, nargs="+", default=[],
                      help="folders with replay.jsonl of fixed strategies, or NAME=DIR,DIR,... (one folder per seed)")
-    tab.add_argument("--plain", default=None, help="replay folders of plain under other seeds (comma-separated)")
-    tab.add_argument("--lookup", default=None, help="replay folders of transformers' prompt lookup under other seeds")
+    tab.add_argument("--plain", type=replay_folders, default=None, help="replay folders of plain under other seeds (comma-separated)")
+    tab.add_argument("--lookup", type=replay_folders, default=None, help="replay folders of transformers' prompt lookup under other seeds")
     tab.add_argument("--out", default=None, help="write the markdown table here")
     cmp = sub.add_parser("compare", help="old code against new under one cost table")
-    cmp.add_argument("--records", default=str(STANDARD))
-    cmp.add_argument("--cost-table", required=True)
-    cmp.add_argument("--old", required=True, help="replay folders of the old code (comma-separated: one per seed)")
-    cmp.add_argument("--new", required=True, help="replay folders of the new code, seeds in the same order")
+    cmp.add_argument("--records", type=existing_path, default=str(STANDARD))
+    cmp.add_argument("--cost-table", type=cost_table_file, required=True)
+    cmp.add_argument("--old", type=replay_folders, required=True, help="replay folders of the old code (comma-separated: one per seed)")
+    cmp.add_argument("--new", type=replay_folders, required=True, help="replay folders of the new code, seeds in the same order")
     cmp.add_argument("--out", default=None)
     pth = sub.add_parser("paths", help="sampling: the planner against fixed strategies on the planner's own outputs (paired)")
-    pth.add_argument("--records", default=str(STANDARD))
-    pth.add_argument("--regime", action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
-    pth.add_argument("--max-new-tokens", type=int, default=64)
+    pth.add_argument("--records", type=existing_path, default=str(STANDARD))
+    pth.add_argument("--regime", type=regime_spec, action="append", required=True, help="NAME=COST_TABLE:PLANNER_REPLAY_DIR[,DIR,...] (one folder per seed)")
+    pth.add_argument("--max-new-tokens", type=positive_int, default=64)
     pth.add_argument("--out", default=None, help="write the markdown table here")
     add_options(pth, "threads")
     chk = sub.add_parser("check", help="the models of `paths` against recorded prompt-lookup and fixed-k runs")
-    chk.add_argument("--records", default=str(STANDARD))
-    chk.add_argument("--lookup", default=None, help="replay folders of transformers' prompt lookup under other seeds")
-    chk.add_argument("--fixed", nargs="*", default=[], help="K=DIR,DIR,...: sampled fixed-k replay folders")
-    chk.add_argument("--max-new-tokens", type=int, default=64)
+    chk.add_argument("--records", type=existing_path, default=str(STANDARD))
+    chk.add_argument("--lookup", type=replay_folders, default=None, help="replay folders of transformers' prompt lookup under other seeds")
+    chk.add_argument("--fixed", type=fixed_k, nargs="*", default=[], help="K=DIR,DIR,...: sampled fixed-k replay folders")
+    chk.add_argument("--max-new-tokens", type=positive_int, default=64)
     args = parser.parse_args(argv)
     if args.command == "check":
         check_command(args)

@@ -59,6 +59,7 @@ sys.path.insert(0, str(HERE))
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain, with_scored,
+    cost_table_file, existing_path, out_folder, positive_int,
 )
 import costs  # noqa: E402
 from costs import CostTable, load_table, plain_work  # noqa: E402
@@ -384,17 +385,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "modelled under a cost table.",
         epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "target", "draft", "threads")
-    parser.add_argument("--out", required=True, help="the folder records.jsonl and results.md are written to")
-    parser.add_argument("--cost-table", action="append", default=None,
+    parser.add_argument("--out", type=out_folder, required=True, help="the folder records.jsonl and results.md are written to")
+    parser.add_argument("--cost-table", type=cost_table_file, action="append", default=None,
                         help=f"a cost_table.json (default {DEFAULT_TABLE.relative_to(HERE.parent)}); the first pins "
                              "hf_specdec's costs, each one given again reprices the same work")
-    parser.add_argument("--reprice", action="append", default=[], help="another table to reprice the work with")
+    parser.add_argument("--reprice", type=cost_table_file, action="append", default=[], help="another table to reprice the work with")
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
     parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         help="run these only (a variant of the library against a recorded run: its cached method)")
-    parser.add_argument("--samples", type=int, default=8, help="samples a prompt (n)")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a workload")
+    parser.add_argument("--samples", type=positive_int, default=8, help="samples a prompt (n)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=128)
+    parser.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts a workload")
     parser.add_argument("--seed", type=int, default=0, help="sample i is seeded with seed + i")
     parser.add_argument("--eager-prices", action="store_true",
                         help="pin costs without Costs.position (the planner prices every sampled position, as before the "
@@ -404,7 +405,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
                              "~130-token signature and docstring, so 128 new tokens seldom reach the body) instead of "
                              "the problem's prompt continued, as the HumanEval harness does")
-    parser.add_argument("--lookup-on", default=None, metavar="DIR",
+    parser.add_argument("--lookup-on", type=existing_path, default=None, metavar="DIR",
                         help="no generation: transformers' prompt lookup priced on the outputs of DIR/records.jsonl "
                              "(its rounds are fixed by the output: evals/regimes.py lookup_work), beside each method there")
     args = parser.parse_args(argv)

@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     MODES, REQUIRED, ForwardTimer, add_options, apply_threads, geometric_mean, load_pair, load_prompts, speedup_over_plain,
-    with_scored,
+    with_scored, existing_path, json_object, positive_int,
 )
 import costs  # noqa: E402
 from costs import CostTable  # noqa: E402
@@ -159,14 +159,14 @@ def explain_mismatches(target, by_id: dict, replayed: list[dict], max_new_tokens
 def main(argv=None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_options(parser, cost_table=REQUIRED)
-    parser.add_argument("--records", default=str(HERE / "results" / "standard" / "records.jsonl"),
+    parser.add_argument("--records", type=existing_path, default=str(HERE / "results" / "standard" / "records.jsonl"),
                         help="a standard-preset run's records: its prompts, and the work of plain and transformers' methods")
     add_options(parser, out=REQUIRED)
     parser.add_argument("--modes", nargs="+", choices=tuple(MODES), default=list(MODES))
-    parser.add_argument("--limit", type=int, default=None, help="at most this many prompts a mode (a quick look)")
+    parser.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts a mode (a quick look)")
     parser.add_argument("--ids", nargs="+", default=None, help="only these prompt ids (a quick look)")
-    parser.add_argument("--settings", default="{}", help="hf_specdec keyword arguments as JSON (an ablation)")
-    parser.add_argument("--max-new-tokens", type=int, default=64, help="the records' preset's (standard: 64)")
+    parser.add_argument("--settings", type=json_object, default={}, help="hf_specdec keyword arguments as JSON (an ablation)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=64, help="the records' preset's (standard: 64)")
     parser.add_argument("--seed-offset", type=int, default=0,
                         help="prompt i is seeded with 1000 * offset + i (0: as the eval seeds it); another offset "
                              "draws other sample paths, for several seeds per prompt")
@@ -201,7 +201,21 @@ def main(argv=None) -> dict:
         for key in ("work", "tokens"):
             if isinstance(r.get(key), str):
                 r[key] = json.loads(r[key].replace("'", '"'))
-    settings = json.loads(args.settings)
+    settings = dict(args.settings)
+    from hf_specdec.arguments import OWN_ARGUMENTS, check_arguments
+
+    unknown = sorted(set(settings) - OWN_ARGUMENTS)
+    missing = sorted(set(args.ids or ()) - {str(r["id"]) for r in records})
+    try:  # before the pair loads: a bad setting, an unknown id, nothing to explain
+        if unknown:
+            raise ValueError(f"--settings: unknown hf_specdec arguments {unknown}")
+        check_arguments(settings)
+        if missing:
+            raise ValueError(f"--ids: no prompt {missing} in {args.records}")
+        if args.explain_only and not (Path(args.out) / "replay.jsonl").exists():
+            raise ValueError(f"--explain-only: no {Path(args.out) / 'replay.jsonl'} to explain")
+    except ValueError as err:
+        parser.error(str(err))
     from hf_specdec.pair import DRAFT, TARGET
 
     target, draft, tokenizer = load_pair(TARGET.name, DRAFT.name, "cpu")  # bf16 as loaded: an accelerator's draft

@@ -34,6 +34,7 @@ import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, add_options,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts, with_scored,
+    existing_path, positive_int,
 )
 from costs import CostTable, measure  # noqa: E402
 from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
@@ -120,8 +121,9 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
 
 def check_config(config: EvalConfig) -> None:
     """Refuse a bad run before any model loads."""
-    if set(config.methods) - set(ALL_METHODS) or "plain" not in config.methods:
-        raise SystemExit(f"methods must include plain and come from {', '.join(ALL_METHODS)}; got {list(config.methods)}")
+    if set(config.methods) - set(ALL_METHODS) or "plain" not in config.methods or len(set(config.methods)) < 2:
+        raise SystemExit(f"methods must include plain and at least one method to compare with it, from "
+                         f"{', '.join(ALL_METHODS)}; got {list(config.methods)}")
     if ("hf_second_draft" in config.methods) != (config.second_draft is not None):
         raise SystemExit("--second-draft PATH and the method hf_second_draft go together: give both or neither")
     bad = set(config.modes) - set(MODES)
@@ -678,17 +680,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
     add_options(parser, out="runs/eval")
-    parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
+    parser.add_argument("--num-draft-tokens", type=positive_int, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--second-draft", default=None,
                         help="another draft (folder or registry name) for the method hf_second_draft, e.g. a distilled one")
     add_options(parser, "draft_bits")  # assisted uses the draft as loaded
     parser.add_argument("--ablation", action="store_true", help=f"also run hf_specdec with levers off: {', '.join(ABLATIONS)}")
-    parser.add_argument("--prompts-per-category", type=int, default=None, help="override the preset")
-    parser.add_argument("--max-new-tokens", type=int, default=None, help="override the preset")
+    parser.add_argument("--prompts-per-category", type=positive_int, default=None, help="override the preset")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=None, help="override the preset")
     add_options(parser, "pack")
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     add_options(parser, "threads")  # per process
-    parser.add_argument("--from-records", default=None,
+    parser.add_argument("--from-records", type=existing_path, default=None,
                         help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl)")
     parser.add_argument("--split", choices=SPLITS, default="report",
                         help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")

@@ -492,3 +492,33 @@ def test_paired_ratios_pair_prompts_and_bootstrap_within_categories(tmp_path):
     assert f"a / b, paired over 4 prompts: wall {g:.3f}" in text and "rag: wall 0.800, modelled 2.000" in text
     with pytest.raises(SystemExit, match="no prompt on which both"):
         paired.compare(records, "a", "b", mode="sampling")
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("run_eval", ["--max-new-tokens", "0"], "--max-new-tokens: must be a positive integer"),  # had meant the preset's 64
+    ("run_eval", ["--num-draft-tokens", "-2"], "must be a positive integer"),  # had run, every record an error
+    ("run_eval", ["--cost-table", "README.md"], "is not a cost table"),  # had been a traceback after loading
+    ("run_eval", ["--threads", "-1"], "0 .* or a positive integer"),
+    ("run_eval", ["--out", "README.md"], "is a file"),
+    ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--limit", "-1"],
+     "positive integer"),  # had replayed every prompt but the last
+    ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--settings", '{"bogus": 1}'],
+     "unknown hf_specdec arguments"),
+    ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--ids", "nosuch"], "no prompt"),
+    ("repetition", ["--out", "x", "--cost-table", "missing.json"], "does not exist"),
+    ("regimes", ["table", "--regime", "bad"], "NAME=COST_TABLE:DIR"),  # had been IsADirectoryError: '.'
+    ("regimes", ["compare", "--cost-table", "evals/results/standard/cost_table.json", "--old", "nodir", "--new", "x"],
+     "holds no replay.jsonl"),
+])
+def test_eval_scripts_name_bad_arguments_before_loading_anything(script, argv, message, capsys, monkeypatch):
+    """Each is refused in one argparse line; the pair is never loaded (load_pair raises if it is asked)."""
+    import importlib
+
+    monkeypatch.chdir(ROOT)
+    sys.path.insert(0, str(ROOT / "evals"))
+    module = importlib.import_module(script)
+    monkeypatch.setattr(module, "load_pair", lambda *a, **k: pytest.fail("loaded the pair"), raising=False)
+    entry = getattr(module, "parse_args", None) or module.main
+    with pytest.raises(SystemExit):
+        entry(argv)
+    assert __import__("re").search(message, capsys.readouterr().err)

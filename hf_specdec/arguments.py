@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import numbers
 import os
 import sys
 from typing import Any
@@ -123,7 +124,7 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
         raise ValueError("the generation config has no max_length: speculative_generate takes the config that "
                          "model.generate() prepares; call model.generate(input_ids, custom_generate="
                          "hf_specdec.speculative_generate, assistant=draft, max_new_tokens=...)")
-    if isinstance(generation_config.max_length, bool) or not isinstance(generation_config.max_length, int):
+    if isinstance(generation_config.max_length, bool) or not isinstance(generation_config.max_length, numbers.Integral):
         raise ValueError(f"max_new_tokens and max_length must be integers, got max_new_tokens="
                          f"{generation_config.max_new_tokens!r}, max_length={generation_config.max_length!r}")
     if generation_config.num_beams not in (None, 1):

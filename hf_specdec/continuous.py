@@ -371,7 +371,7 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
                              f"{name} has no place in it (one generate call per prompt returns scores)")
     for name in ("max_new_tokens", "max_length"):  # plain generate() takes 2.5 and rounds; the loop needs integers
         value = generate_kwargs.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 

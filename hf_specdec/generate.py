@@ -282,20 +282,22 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
     measured = state.planner.curve.slope0  # remembered for the next call on this model
     if measured is not None and state.planner.curve.pinned is None:
         _MEASURED_VERIFY_COSTS.setdefault(state.model, {})[state.cost_key] = measured
-    if state.streamer is not None:
-        state.streamer.end()
     stats = state.stats
     logger.debug("speculative_generate: %d rounds, acceptance %.3f, %.2f tokens/round",
                  stats.rounds, stats.acceptance_rate, stats.mean_tokens_per_round)
     sequences = state.batch.sequences(state.pad_token_id)
-    cache = _settle_cache(state, sequences)  # also a user-passed cache, whatever is returned
+    output = cache = _settle_cache(state, sequences)  # also a user-passed cache, whatever is returned
     if not state.generation_config.return_dict_in_generate:
-        return sequences
-    scores, logits = state.outputs.stacked()
-    return SpeculativeDecoderOnlyOutput(
-        sequences=sequences, scores=scores, logits=logits, cache=cache,
-        acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.planner.estimates(),
-    )
+        output = sequences
+    else:
+        scores, logits = state.outputs.stacked()
+        output = SpeculativeDecoderOnlyOutput(
+            sequences=sequences, scores=scores, logits=logits, cache=cache,
+            acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.planner.estimates(),
+        )
+    if state.streamer is not None:  # last: a failure before it ends the streamer once, in speculative_generate
+        state.streamer.end()
+    return output
 
 
 def _settle_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:

@@ -29,8 +29,10 @@ calls in several threads of one process may share a cache; `save` / `load` keep 
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
+import numbers
 import operator
 import sys
 import threading
@@ -250,9 +252,11 @@ class RetrievalCache:
         """`lookup`, and per continuation, per token, the share of the matched occurrences that went on
         past its parent and did so with that token (SuffixDecoding's frequency score): 1.0 where every
         earlier occurrence that continued continued the same way."""
-        query = [operator.index(t) for t in list(query)[-self.max_match :]]  # ids, never rounded floats
+        query = [_token_id(t) for t in list(query)[-self.max_match :]]  # ids, never rounded floats
         most, cap = self.max_occurrences, self.max_match
-        if isinstance(max_tokens, bool) or operator.index(max_tokens) < 1:
+        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
+            raise ValueError(f"RetrievalCache.lookup: max_tokens must be an integer, got {max_tokens!r}")
+        if max_tokens < 1:
             return [], 0, []
         with self._lock:
             for n in range(min(self.index_ngram, len(query)), min_match - 1, -1):
@@ -314,6 +318,9 @@ class RetrievalCache:
         return cache
 
     # ------------------------------------------------------------------ internals
+
+    def __copy__(self) -> "RetrievalCache":  # a shallow copy would share the store under another lock
+        return copy.deepcopy(self)
 
     def __getstate__(self) -> dict:  # copy.deepcopy and pickle: everything but the lock
         with self._lock:
@@ -482,7 +489,7 @@ class Retrieval:
         if self.cache is None or max_tokens < 1:
             return [], 0, []
         found, size, shares = self.cache.lookup_shares(host, max_tokens, branches, self.min_ngram, exclude=(self._key, row))
-        if self.vocab is not None and self.cache.max_token_id >= self.vocab:  # cut each before its first foreign id
+        if self.vocab is not None and any(t >= self.vocab for c in found for t in c):  # cut each before a foreign id
             cut = [next((j for j, t in enumerate(c) if t >= self.vocab), len(c)) for c in found]
             found, shares = [c[:j] for c, j in zip(found, cut)], [s[:j] for s, j in zip(shares, cut)]
             kept = [i for i, c in enumerate(found) if c]

@@ -75,7 +75,7 @@ def speculative_sampling(
                         by one recovered or bonus token, then PAD_TOKEN.
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
-    _check_values(draft_tokens, target_probs, draft_probs, _proposed(draft_tokens, lengths))
+    _check_values(draft_tokens, target_probs, draft_probs, lengths)
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
     accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)  # [batch]: length of accepted prefix
@@ -260,17 +260,19 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
 
 
 def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
-                  proposed: torch.Tensor) -> None:
-    """The eager rule's inputs by value (it is public; the decode loop calls the lazy rule, which reads
-    nothing to check): proposed ids inside the vocabulary, and probabilities, not logits."""
-    vocab = target.shape[-1]
+                  lengths: torch.Tensor | None) -> None:
+    """The eager rule's inputs by value where they are used (it is public; the decode loop calls the lazy
+    rule, which reads nothing to check): proposed ids inside the vocabulary, and probabilities, not logits,
+    at the proposed positions and the bonus position after them (padding past them may hold anything)."""
+    vocab, proposed = target.shape[-1], _proposed(draft_tokens, lengths)  # [batch, k]
     if bool((((draft_tokens < 0) | (draft_tokens >= vocab)) & proposed).any()):
         raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {vocab})")
-    for name, probs in (("target_probs", target), ("draft_probs", draft)):
-        if probs is None:
+    used = torch.nn.functional.pad(proposed, (1, 0), value=True)  # [batch, k + 1]: p up to the bonus position
+    for name, probs, where in (("target_probs", target, used), ("draft_probs", draft, proposed)):
+        if probs is None or not bool(where.any()):
             continue
-        sums = probs.float().sum(-1)
-        if bool((probs < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
+        rows, sums = probs[where].float(), probs[where].float().sum(-1)
+        if bool((rows < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
             raise ValueError(f"{name} must be probabilities (non-negative, summing to 1 over the vocabulary; "
                              f"softmax of logits), got sums from {float(sums.min()):.3g} to {float(sums.max()):.3g}")
 

@@ -515,7 +515,7 @@ def test_eval_scripts_name_bad_arguments_before_loading_anything(script, argv, m
     import importlib
 
     monkeypatch.chdir(ROOT)
-    sys.path.insert(0, str(ROOT / "evals"))
+    monkeypatch.syspath_prepend(str(ROOT / "evals"))
     module = importlib.import_module(script)
     monkeypatch.setattr(module, "load_pair", lambda *a, **k: pytest.fail("loaded the pair"), raising=False)
     entry = getattr(module, "parse_args", None) or module.main

@@ -261,22 +261,40 @@ def test_stream_requests_are_read_as_plain_generate_reads_them(models):
         assert result.ok and mine == result.tokens.tolist()
 
 
-@pytest.mark.parametrize("where", ["stream", "directory form"])
+@pytest.mark.parametrize("where", ["stream", "directory form", "transformers' own check"])
 def test_a_refused_streamer_is_ended(models, where):
     """Before: generate_continuous refusing a streamer, and the directory form refusing stop_strings without a
-    tokenizer, left a consumer iterating the streamer waiting forever."""
+    tokenizer (or transformers refusing a setting before the callable runs), left a consumer iterating the
+    streamer waiting forever. It is ended once: one end-of-stream signal."""
     target, draft = models
     streamer = TextIteratorStreamer(Spaces(), timeout=30)
     consumer = threading.Thread(target=lambda: list(streamer))
     consumer.start()
-    with pytest.raises(ValueError, match="streamers take one row|needs the tokenizer"):
+    directory = dict(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft,
+                     streamer=streamer)
+    with pytest.raises(ValueError, match="streamers take one row|needs the tokenizer|temperature"):
         if where == "stream":
             hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, spec_streamer=streamer)
+        elif where == "directory form":
+            target.generate(torch.tensor([[1, 2, 3]]), stop_strings=["x"], **directory)
         else:
-            target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.CUSTOM_GENERATE_DIR,
-                            trust_remote_code=True, assistant_model=draft, streamer=streamer, stop_strings=["x"])
+            target.generate(torch.tensor([[1, 2, 3]]), do_sample=True, temperature=-1.0, **directory)
     consumer.join(timeout=10)
     assert not consumer.is_alive(), "the consumer must not be left waiting"
+    assert streamer.text_queue.qsize() == 0  # no second end-of-stream signal left behind
+
+
+def test_numpy_integer_budgets_are_taken_as_plain_generate_takes_them(models):
+    """Before this session's float check was mended: np.int64 budgets were refused (plain takes them)."""
+    import numpy as np
+
+    target, draft = models
+    out = target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                          do_sample=False, max_new_tokens=np.int64(5), **PINNED)
+    assert torch.equal(out[0, 3:], plain(target, [1, 2, 3], max_new_tokens=5))
+    results = hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=np.int64(5),
+                                             do_sample=False)
+    assert torch.equal(results[0].tokens, plain(target, [1, 2, 3], max_new_tokens=5))
 
 
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):

@@ -129,8 +129,13 @@ def test_bounds_hold_in_long_use_and_a_used_cache_round_trips(tmp_path):
     assert copy.deepcopy(cache).lookup([1], max_tokens=3) == cache.lookup([1], max_tokens=3)  # no lock in a copy
     with pytest.raises(ValueError, match="no sequence is open under 'nobody'"):
         cache.extend("nobody", [1])
-    with pytest.raises(TypeError):
+    with pytest.raises(ValueError, match="token ids must be integers"):
         cache.lookup([1.7, 2.2], max_tokens=2)  # floats are not rounded into ids
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        cache.lookup([1], max_tokens=True)
+    shallow = copy.copy(cache)  # its own store: adding to it leaves the original as it was
+    shallow.add([7, 7, 7])
+    assert len(shallow) != len(cache)
     assert cache.lookup([1], max_tokens=0) == ([], 0)
 
 
@@ -234,6 +239,11 @@ def test_ids_past_the_target_vocabulary_added_while_a_call_runs_are_never_propos
 
     out = target.generate(prompt, do_sample=False, max_new_tokens=20, custom_generate=hf_specdec.speculative_generate,
                           assistant=draft, retrieval_cache=cache, acceptance_sink=other_thread, **PINNED)
+    assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=20))
+    # the ids are filtered by what a lookup returns, not by max_token_id, which another thread's eviction may lower
+    cache.max_token_id = 0
+    out = target.generate(prompt, do_sample=False, max_new_tokens=20, custom_generate=hf_specdec.speculative_generate,
+                          assistant=draft, retrieval_cache=cache, **PINNED)
     assert torch.equal(out, target.generate(prompt, do_sample=False, max_new_tokens=20))
 
 

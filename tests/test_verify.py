@@ -114,7 +114,11 @@ def test_bad_values_are_named(case, message):
            "float ids": (tokens.float(), q, p)}[case]
     with pytest.raises(ValueError, match=message):
         speculative_sampling(*bad)
+    # padding past a row's length may hold anything: PAD_TOKEN ids, zero rows of q, zero rows of p past the bonus
     speculative_sampling(torch.tensor([[1, 2, PAD_TOKEN]]), q, p, lengths=torch.tensor([2]))
+    q_padded, p_padded = q.clone(), p.clone()
+    q_padded[0, 1:], p_padded[0, 2:] = 0, 0
+    speculative_sampling(torch.tensor([[1, PAD_TOKEN, PAD_TOKEN]]), q_padded, p_padded, lengths=torch.tensor([1]))
 
 
 def test_seeded_runs_repeat():

@@ -7,17 +7,38 @@ It re-enters `model.generate` with the callable form, which does all of generate
 
 import copy
 
+from transformers.generation.streamers import BaseStreamer
+
 import hf_specdec
 
 
 def generate(model, assistant_model=None, streamer=None, **kwargs):
-    try:
-        kwargs = _arguments(model, assistant_model, streamer, kwargs)
+    once = None if streamer is None else _EndOnce(streamer)
+    try:  # any failure, transformers' own checks before the callable runs included, ends the streamer (once)
+        kwargs = _arguments(model, assistant_model, once, kwargs)
+        return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)
     except BaseException:
-        if streamer is not None:
-            streamer.end()  # a consumer iterating it must not wait (past this point the callable form ends it)
+        if once is not None:
+            try:
+                once.end()
+            except Exception:
+                pass
         raise
-    return model.generate(custom_generate=hf_specdec.speculative_generate, **kwargs)
+
+
+class _EndOnce(BaseStreamer):
+    """The user's streamer, ended at most once (the callable form ends it too when it fails)."""
+
+    def __init__(self, streamer):
+        self.streamer, self.ended = streamer, False
+
+    def put(self, value):
+        self.streamer.put(value)
+
+    def end(self):
+        if not self.ended:
+            self.ended = True
+            self.streamer.end()
 
 
 def _arguments(model, assistant_model, streamer, kwargs):

@@ -403,9 +403,11 @@ def generate_continuous(
                         max_length=max_length if max_new_tokens is None else None)
     try:
         first = requests.first()
-        if first is not None:  # a first prompt past max_length with a budget of its own: transformers would refuse it
-            longer = {} if 0 not in requests.budgets or first.numel() < (requests.max_length or 1 << 62) else dict(
-                max_length=first.numel() + requests.budgets[0])  # later prompts' budgets read requests.max_length
+        if first is not None:
+            # a first prompt past max_length with a budget of its own: transformers' own check would refuse it (later
+            # prompts' budgets read requests.max_length, the call's)
+            own, limit = requests.budgets.get(0), requests.max_length
+            longer = {} if own is None or limit is None or first.numel() < limit else dict(max_length=first.numel() + own)
             model.generate(
                 first[None], attention_mask=torch.ones_like(first[None]), custom_generate=speculative_generate,
                 assistant=assistant, requests=requests, **{**generate_kwargs, **longer},

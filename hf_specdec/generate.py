@@ -286,10 +286,9 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
     logger.debug("speculative_generate: %d rounds, acceptance %.3f, %.2f tokens/round",
                  stats.rounds, stats.acceptance_rate, stats.mean_tokens_per_round)
     sequences = state.batch.sequences(state.pad_token_id)
-    output = cache = _settle_cache(state, sequences)  # also a user-passed cache, whatever is returned
-    if not state.generation_config.return_dict_in_generate:
-        output = sequences
-    else:
+    cache = _settle_cache(state, sequences)  # also a user-passed cache, whatever is returned
+    output = sequences
+    if state.generation_config.return_dict_in_generate:
         scores, logits = state.outputs.stacked()
         output = SpeculativeDecoderOnlyOutput(
             sequences=sequences, scores=scores, logits=logits, cache=cache,

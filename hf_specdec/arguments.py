@@ -207,11 +207,12 @@ class StreamerNotForwardedError(ValueError):
     the prompt into it and does not hand it to the callable, so no token and no end would follow."""
 
 
-def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
+def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None) -> None:
     """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
     `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
     No public route hands the object over, so it is found in generate()'s own frame, ended (the
-    consumer wakes up) and refused with an error naming the two forms that stream."""
+    consumer wakes up) and refused with an error naming the two forms that stream. An `assistant_model`
+    consumed the same way beside another `assistant` is refused too."""
     from transformers.generation.utils import GenerationMixin
 
     code = inspect.unwrap(GenerationMixin.generate).__code__
@@ -224,6 +225,11 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None) -> None:
         frame = frame.f_back
     else:
         return
+    model = frame.f_locals.get("assistant_model")  # consumed too: two drafts given, one silently unused
+    if model is not None and model is not assistant:
+        raise ValueError("assistant_model= does not reach a callable custom_generate (transformers consumes it); "
+                         "pass the draft once, as assistant=draft (or use the directory form, which takes "
+                         "assistant_model=)")
     dropped = frame.f_locals.get("streamer")
     if dropped is None or dropped is spec_streamer:
         return

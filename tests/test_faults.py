@@ -481,6 +481,18 @@ def test_streamer_with_the_callable_form_is_refused_and_ended(models):
     assert not consumer.is_alive(), "the consumer must not be left waiting"
 
 
+def test_a_second_draft_given_as_assistant_model_is_refused(models):
+    """Before: transformers consumed assistant_model= before the callable, and it was silently unused beside
+    assistant= (even with another vocabulary). The same model under both names is one draft."""
+    target, draft = models
+    other = tiny_model("llama", vocab=80, seed=2)
+    kwargs = dict(max_new_tokens=4, do_sample=False, custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    with pytest.raises(ValueError, match="assistant_model= does not reach a callable"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=other, **kwargs)
+    assert torch.equal(target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, **kwargs)[0, 3:],
+                       plain(target, [1, 2, 3], max_new_tokens=4))
+
+
 def test_spec_streamer_and_the_directory_form_stream_every_token(models):
     target, draft = models
     expected = plain(target, [1, 2, 3], max_new_tokens=6).tolist()

@@ -313,10 +313,12 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor, pad_to
     empty = ~mask.any(dim=1)
     bad = (padding_after_a_token | empty).nonzero()[:, 0].tolist()
     if bad:
-        hole = bool(mask[bad[0], int(mask[bad[0]].int().argmax()):].int().diff().eq(1).any())  # a 0 then a 1 again
-        what = ("has no real token" if bool(empty[bad[0]]) else "has padding between its tokens" if hole
-                else "has padding after its tokens (right padding)")
         row, inferred = bad[0], ""
+        if bool(empty[row]):  # an empty prompt, not a padding side
+            raise ValueError(f"attention_mask row {row} has no real token: an empty prompt (hf_specdec needs at least one "
+                             "token a row; plain generate() would start it from nothing)")
+        hole = bool(mask[row, int(mask[row].int().argmax()):].int().diff().eq(1).any())  # a 0 then a 1 again
+        what = "has padding between its tokens" if hole else "has padding after its tokens (right padding)"
         if hole and isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
             inferred = (f" The mask marks every token {pad_token_id} (pad_token_id) as padding, as transformers infers "
                         "one when none is passed: if they are real tokens (a generated one), pass "
@@ -426,7 +428,10 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
     if target_vocab != draft_vocab:
         raise ValueError(
             f"vocabulary mismatch: the target scores {target_vocab} tokens but the draft scores {draft_vocab}. "
-            "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary."
+            "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary"
+            + (f" (these differ by {abs(target_vocab - draft_vocab)} rows: if they share a tokenizer and the extra rows are "
+               "padding of the embedding matrix, as in some model families, hf_specdec does not support the pair yet, and "
+               "transformers' assisted decoding refuses it too)." if abs(target_vocab - draft_vocab) <= 1024 else ".")
         )
     if assistant.device != model.device:
         raise ValueError(f"the draft is on {assistant.device} but the target is on {model.device}; move them together.")

@@ -105,11 +105,12 @@ class Requests:
         max_positions: int | None = None,  # the target's positions (caps that default)
         learned_positions: bool = False,  # a table of absolute positions (GPT-2): none exists past max_positions
         max_length: int | None = None,  # the call's max_length, where no max_new_tokens is set
+        pad_token_id: int | None = None,  # a prompt without a mask: its pad ids are padding, as plain generate() infers
     ):
         self.max_batch_size = max_batch_size
         self.device, self.vocab_size = device, vocab_size
         self.default_length, self.max_positions, self.learned_positions = default_length, max_positions, learned_positions
-        self.max_length = max_length
+        self.max_length, self.pad_token_id = max_length, pad_token_id
         self.on_result = on_result
         self.total = len(prompts) if hasattr(prompts, "__len__") else None
         self._source: Iterator = iter(prompts)
@@ -130,7 +131,7 @@ class Requests:
 
     def _prompt(self, item: PromptItem) -> tuple[torch.Tensor, int | None]:
         """(the prompt as a 1-D tensor, its own budget or None); a ValueError names what is wrong."""
-        budget = None
+        budget, masked = None, False
         if isinstance(item, Mapping):
             if "input_ids" not in item:
                 raise ValueError(f"prompt {self.admitted} is a mapping without 'input_ids'")
@@ -143,6 +144,7 @@ class Requests:
                 if isinstance(budget, bool) or not isinstance(budget, numbers.Integral) or budget < 1:
                     raise ValueError(f"prompt {self.admitted}: max_new_tokens must be a positive integer, got {budget!r}")
                 budget = int(budget)
+            masked = item.get("attention_mask") is not None
             item = _unpadded(item, self.admitted)
         if isinstance(item, (str, bytes)):
             raise ValueError(f"prompt {self.admitted} is text; pass token ids (tokenize it first)")
@@ -159,6 +161,8 @@ class Requests:
         if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
             raise ValueError(f"prompt {self.admitted} must hold integer token ids, got {prompt.dtype}")
         prompt = prompt.long()
+        if self.pad_token_id is not None and not masked:
+            prompt = self._unpadded_by_id(prompt)
         if self.max_positions is not None and (  # rotary positions go on, as in plain generate()
                 (self.learned_positions and prompt.numel() > self.max_positions)  # its first new token needs no row
                 or (self.default_length and budget is None and prompt.numel() >= self.max_positions)):
@@ -172,6 +176,18 @@ class Requests:
             bad = low if low < 0 else high
             raise ValueError(f"prompt {self.admitted} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
         return prompt, budget
+
+    def _unpadded_by_id(self, prompt: torch.Tensor) -> torch.Tensor:
+        """A prompt given without a mask, less the pad ids before and after its tokens: plain generate()
+        infers a mask from pad_token_id (when it is not an EOS id), and its output is the unpadded prompt's."""
+        real = (prompt != self.pad_token_id).nonzero()[:, 0].tolist()
+        if not real:
+            raise ValueError(f"prompt {self.admitted} holds only pad_token_id {self.pad_token_id}: no real token")
+        if real[-1] - real[0] + 1 != len(real):
+            raise ValueError(f"prompt {self.admitted} holds pad_token_id {self.pad_token_id} between its tokens, which "
+                             "plain generate() would mask as padding: pass {'input_ids': ..., 'attention_mask': ...} "
+                             "to say which tokens are real")
+        return prompt[real[0] : real[-1] + 1]
 
     def take(self, count: int) -> list[torch.Tensor]:
         """Up to `count` prompts that are waiting now (fewer once the source yields None or ends).
@@ -361,6 +377,10 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
         raise ValueError(f"progress must be True or False, got {progress!r}")
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Iterable):
         raise ValueError(f"prompts must be an iterable of token id sequences, got {type(prompts).__name__}")
+    if isinstance(prompts, Mapping):  # a tokenizer's BatchEncoding: iterating it gives its keys
+        raise ValueError(f"prompts is a mapping ({type(prompts).__name__}, a tokenizer's output?): pass one prompt per "
+                         "item, e.g. [{'input_ids': i, 'attention_mask': m} for i, m in zip(enc['input_ids'], "
+                         "enc['attention_mask'])]")
     if "attention_mask" in generate_kwargs:
         raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
                          "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
@@ -395,12 +415,15 @@ def generate_continuous(
     from .proposals.draft_model import context_length
 
     _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs)
-    max_length, max_new_tokens = (_setting(name, generate_kwargs, model) for name in ("max_length", "max_new_tokens"))
+    max_length, max_new_tokens, pad, eos = (_setting(name, generate_kwargs, model) for name in (
+        "max_length", "max_new_tokens", "pad_token_id", "eos_token_id"))
+    eos = set(torch.as_tensor(eos).flatten().tolist()) if eos is not None else set()
     requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0],
                         default_length=max_length is None and max_new_tokens is None,
                         max_positions=context_length(model.config), learned_positions=learned_positions(model),
-                        max_length=max_length if max_new_tokens is None else None)
+                        max_length=max_length if max_new_tokens is None else None,
+                        pad_token_id=pad if isinstance(pad, int) and pad not in eos else None)
     try:
         first = requests.first()
         if first is not None:

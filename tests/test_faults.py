@@ -297,6 +297,36 @@ def test_numpy_integer_budgets_are_taken_as_plain_generate_takes_them(models):
     assert torch.equal(results[0].tokens, plain(target, [1, 2, 3], max_new_tokens=5))
 
 
+def test_stream_prompts_with_pad_ids_are_read_as_plain_generate_reads_them():
+    """Before: a left-padded row passed without its mask was decoded with its pad ids as prompt tokens (plain
+    infers a mask from pad_token_id and gives the unpadded prompt's output); a tokenizer's whole BatchEncoding
+    was iterated by its keys, each "prompt" failing as text."""
+    target = tiny_model("llama", seed=1)
+    target.generation_config.pad_token_id = 0
+    draft = perturbed(target, noise=0.3)
+    rows = [[0, 0, 5, 6, 7], [1, 2, 3, 4, 5], [5, 6, 7, 0], [0, 0, 0], [5, 0, 6]]
+    results = hf_specdec.generate_continuous(target, rows, assistant=draft, max_new_tokens=8, do_sample=False)
+    for i, real in ((0, [5, 6, 7]), (1, [1, 2, 3, 4, 5]), (2, [5, 6, 7])):
+        assert results[i].ok and torch.equal(results[i].tokens, plain(target, real, max_new_tokens=8))
+    assert "only pad_token_id" in str(results[3].error) and "between its tokens" in str(results[4].error)
+    with pytest.raises(ValueError, match="prompts is a mapping"):
+        hf_specdec.generate_continuous(target, {"input_ids": [[1, 2]], "attention_mask": [[1, 1]]}, assistant=draft)
+
+
+def test_refusals_name_the_cause():
+    """Before: an empty prompt in a left-padded batch was told to set padding_side = 'left'; a draft whose
+    embedding differs by a few padding rows was told it has another tokenizer."""
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.3)
+    ids, mask = torch.tensor([[0, 0, 0], [1, 2, 3]]), torch.tensor([[0, 0, 0], [1, 1, 1]])
+    with pytest.raises(ValueError, match="row 0 has no real token: an empty prompt"):
+        target.generate(ids, attention_mask=mask, custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                        max_new_tokens=3)
+    padded = tiny_model("llama", vocab=72, seed=2)
+    with pytest.raises(ValueError, match="differ by 8 rows: .* padding of the embedding matrix"):
+        target.generate(ids[1:], custom_generate=hf_specdec.speculative_generate, assistant=padded, max_new_tokens=3)
+
+
 def test_a_long_stream_with_bad_requests_loses_no_good_output(models):
     """1,000 short prompts, 5% of them bad: every good one equals plain greedy, every bad one carries
     its error, and the caches stay bounded (rows leave, holes are compacted)."""

@@ -180,14 +180,12 @@ class Requests:
     def _unpadded_by_id(self, prompt: torch.Tensor) -> torch.Tensor:
         """A prompt given without a mask, less the pad ids before and after its tokens: plain generate()
         infers a mask from pad_token_id (when it is not an EOS id), and its output is the unpadded prompt's."""
-        real = (prompt != self.pad_token_id).nonzero()[:, 0].tolist()
-        if not real:
+        kept = _strip(prompt, prompt != self.pad_token_id, self.admitted,
+                      f" holds pad_token_id {self.pad_token_id} between its tokens, which plain generate() would mask "
+                      "as padding: pass {'input_ids': ..., 'attention_mask': ...} to say which tokens are real")
+        if not kept.numel():
             raise ValueError(f"prompt {self.admitted} holds only pad_token_id {self.pad_token_id}: no real token")
-        if real[-1] - real[0] + 1 != len(real):
-            raise ValueError(f"prompt {self.admitted} holds pad_token_id {self.pad_token_id} between its tokens, which "
-                             "plain generate() would mask as padding: pass {'input_ids': ..., 'attention_mask': ...} "
-                             "to say which tokens are real")
-        return prompt[real[0] : real[-1] + 1]
+        return kept
 
     def take(self, count: int) -> list[torch.Tensor]:
         """Up to `count` prompts that are waiting now (fewer once the source yields None or ends).
@@ -341,11 +339,17 @@ def _unpadded(item: Mapping[str, Any], index: int) -> Any:
     if ids.dim() != 1 or mask.shape != ids.shape:
         raise ValueError(f"prompt {index}: input_ids must be one sequence with an attention_mask of its shape, got "
                          f"{tuple(ids.shape)} and {tuple(mask.shape)}")
-    real = (mask != 0).nonzero()[:, 0].tolist()
-    if real and real[-1] - real[0] + 1 != len(real):
-        raise ValueError(f"prompt {index}: attention_mask has a hole between real tokens; only padding before or "
-                         "after the prompt can be dropped")
-    return ids[mask != 0]
+    return _strip(ids, mask != 0, index, ": attention_mask has a hole between real tokens; only padding before or "
+                  "after the prompt can be dropped")
+
+
+def _strip(ids: torch.Tensor, real: torch.Tensor, index: int, hole: str) -> torch.Tensor:
+    """`ids` less the padding before and after its real tokens (`real`, per token); padding between them is
+    a ValueError, "prompt {index}{hole}"."""
+    kept = real.nonzero()[:, 0].tolist()
+    if kept and kept[-1] - kept[0] + 1 != len(kept):
+        raise ValueError(f"prompt {index}{hole}")
+    return ids[kept[0] : kept[-1] + 1] if kept else ids[:0]
 
 
 def _as_ids(item: Any) -> torch.Tensor:
@@ -390,7 +394,7 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
             raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
                              f"{name} has no place in it (one generate call per prompt returns scores)")
     for name in ("max_new_tokens", "max_length"):  # plain generate() takes 2.5 and rounds; the loop needs integers
-        value = generate_kwargs.get(name)
+        value = _setting(name, generate_kwargs, model)  # a keyword, the config passed, or the model's
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
 

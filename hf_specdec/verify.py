@@ -271,7 +271,8 @@ def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
     for name, probs, where in (("target_probs", target, used), ("draft_probs", draft, proposed)):
         if probs is None or not bool(where.any()):
             continue
-        rows, sums = probs[where].float(), probs[where].float().sum(-1)
+        rows = probs[where].float()  # [used positions, vocab]
+        sums = rows.sum(-1)
         if bool((rows < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
             raise ValueError(f"{name} must be probabilities (non-negative, summing to 1 over the vocabulary; "
                              f"softmax of logits), got sums from {float(sums.min()):.3g} to {float(sums.max()):.3g}")

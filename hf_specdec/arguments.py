@@ -412,6 +412,14 @@ def _validate_same_function(model: PreTrainedModel) -> None:
                          "(decode copies are for drafts), or pass hf_specdec.cpu.without_decode_copies(target)")
 
 
+def padding_rows(target_vocab: int, draft_vocab: int) -> bool:
+    """Whether two vocabulary sizes differ by embedding padding only, as one tokenizer's models do in some
+    families (Qwen2.5-0.5B and 7B: 151,936 and 152,064 rows; the Pythia sizes: 50,304 to 50,688): by at most
+    1% of the larger. Tokenizers that grew (Mistral's 32,000 to 32,768) differ by more. Exactness never
+    depends on it; the rule only catches a draft loaded by mistake."""
+    return abs(target_vocab - draft_vocab) <= max(target_vocab, draft_vocab) // 100
+
+
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:
     if assistant.config.is_encoder_decoder:
         raise ValueError("the draft model (assistant) must be decoder-only.")
@@ -425,13 +433,11 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
                          "layers were replaced (pack_linears, quantize_weights); call hf_specdec.early_exit_draft after")
     target_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = assistant.get_output_embeddings().weight.shape[0]
-    if target_vocab != draft_vocab:
+    if target_vocab != draft_vocab and not padding_rows(target_vocab, draft_vocab):
         raise ValueError(
             f"vocabulary mismatch: the target scores {target_vocab} tokens but the draft scores {draft_vocab}. "
-            "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary"
-            + (f" (these differ by {abs(target_vocab - draft_vocab)} rows: if they share a tokenizer and the extra rows are "
-               "padding of the embedding matrix, as in some model families, hf_specdec does not support the pair yet, and "
-               "transformers' assisted decoding refuses it too)." if abs(target_vocab - draft_vocab) <= 1024 else ".")
+            "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary (sizes that differ "
+            "by at most 1%, as embedding padding does in some model families, are taken as the same vocabulary)."
         )
     if assistant.device != model.device:
         raise ValueError(f"the draft is on {assistant.device} but the target is on {model.device}; move them together.")

@@ -215,9 +215,9 @@ def _start(
     candidate_generator, generator, streamer, acceptance_sink, model_kwargs, requests=None, retrieval_cache=None,
 ) -> DecodeState:
     """The state of a fresh call: the draft source, the planner, the batch, the counters."""
-    rows = input_ids.shape[0]
+    rows, vocab = input_ids.shape[0], model.get_output_embeddings().weight.shape[0]
     drafter, foreign = _drafter(config, assistant, candidate_generator, logits_processor, generation_config,
-                                generator, input_ids)
+                                generator, input_ids, vocab)
     drafter.start(rows)
     # A foreign generator is used as it is, every round; our drafters take part in the planner.
     planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
@@ -239,7 +239,7 @@ def _start(
         if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
             planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
         lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
-                           planner.acceptance.lookup_at, vocab=model.get_output_embeddings().weight.shape[0])
+                           planner.acceptance.lookup_at, vocab=vocab)
     if requests is not None and not can_gather((cache, drafter.cache)):
         raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                     "(rows join by gathering cache columns; sliding-window layers keep a window)")
@@ -264,10 +264,14 @@ def _start(
 
 
 def _drafter(
-    config, assistant, candidate_generator, logits_processor, generation_config, generator, input_ids
+    config, assistant, candidate_generator, logits_processor, generation_config, generator, input_ids, vocab: int
 ) -> tuple[Drafter, bool]:
-    """(the draft source, whether it is a foreign transformers generator, wrapped here once)."""
+    """(the draft source, whether it is a foreign transformers generator, wrapped here once). A draft
+    model of ours proposes over the target's `vocab` ids (its own may differ by padding rows)."""
     if isinstance(candidate_generator, Drafter):
+        inner = getattr(candidate_generator, "drafter", candidate_generator)
+        if isinstance(inner, DraftModelDrafter):
+            inner.vocab = vocab
         return candidate_generator, False
     if candidate_generator is not None:
         return CandidateGeneratorDrafter(candidate_generator), True
@@ -275,7 +279,8 @@ def _drafter(
     window = None
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):
         window = config.window_for(bool(generation_config.do_sample))
-    return DraftModelDrafter(assistant, logits_processor, bool(generation_config.do_sample), generator, window=window), False
+    return DraftModelDrafter(assistant, logits_processor, bool(generation_config.do_sample), generator, window=window,
+                             vocab=vocab), False
 
 
 def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTensor:

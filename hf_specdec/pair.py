@@ -320,7 +320,10 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model=None, 
             f"only in draft {only_d}. Speculative decoding needs a draft that shares the target's tokenizer."
         )
     if target_model is not None and draft_model is not None:
+        from .arguments import padding_rows
+
         tv = target_model.get_output_embeddings().weight.shape[0]
         dv = draft_model.get_output_embeddings().weight.shape[0]
-        if tv != dv:
-            raise ValueError(f"vocabulary mismatch: the target scores {tv} tokens but the draft scores {dv}.")
+        if tv != dv and not padding_rows(tv, dv):
+            raise ValueError(f"vocabulary mismatch: the target scores {tv} tokens but the draft scores {dv} "
+                             "(sizes within 1% are taken as padding of one vocabulary).")

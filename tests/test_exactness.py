@@ -504,3 +504,53 @@ def test_broken_cache_peeking_at_the_uniforms_is_detected(pair, monkeypatch):
     samples, used = _cache_calls(target, draft, cache, 40)
     assert used > ROWS // 10
     assert law_pvalue(law, samples, "BROKEN (cache peeking at the uniforms)") < ALPHA
+
+
+# ---------------------------------------------------------------- drafts whose vocabulary differs by padding rows
+
+
+@pytest.fixture(scope="module")
+def padded_pair():
+    """A target of 200 tokens most of whose law (0.79 of the three-token joint) lies past row 198, and
+    drafts of 198 rows (q is 0 past them, and the ids the target emits there are fed as row 197) and
+    202 rows (cut to 200; its two extra rows copy its row 199, so a clamp in place of the cut shows)."""
+    target = tiny_model("llama", vocab=200, seed=23, init=0.25)
+    with torch.no_grad():
+        target.lm_head.weight[196:] *= 2.5
+        target.lm_head.weight[199] = target.lm_head.weight[197]
+    narrow, wide = perturbed(target, noise=0.4), perturbed(target, noise=0.4, seed=7)
+    narrow.resize_token_embeddings(198, mean_resizing=False)
+    wide.resize_token_embeddings(202, mean_resizing=False)
+    with torch.no_grad():
+        wide.lm_head.weight[200:] = wide.lm_head.weight[199]
+        wide.model.embed_tokens.weight[200:] = wide.model.embed_tokens.weight[199]
+    law = exact_joint(target)
+    assert sum(p for cell, p in law.items() if any(t >= 198 for t in cell)) > 0.5
+    return target, narrow, wide, law
+
+
+@pytest.mark.parametrize("which", ["narrow", "wide"])
+def test_sampling_is_exact_with_a_draft_vocabulary_padded_differently(padded_pair, which):
+    target, narrow, wide, law = padded_pair
+    (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(narrow if which == "narrow" else wide))
+    assert law_pvalue(law, samples, f"a {which} draft vocabulary") > ALPHA
+
+
+class ClampedDraft(DraftModelDrafter):
+    """Broken: a wider draft draws from all its rows and clamps an id past the target's into range
+    (as row 199), reporting q cut to the target's rows, instead of cutting its logits before drawing."""
+
+    def _fit(self, logits):
+        return logits
+
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
+        return token.clamp_max(self.vocab - 1), q[:, : self.vocab], rest
+
+
+def test_broken_clamped_wide_draft_is_detected(padded_pair):
+    # Power: at 3000 rows the joint chi2 was 380 on 69 dof (a noncentrality of ~0.1 a sample), p ~ 1e-44.
+    target, _, wide, law = padded_pair
+    broken = ClampedDraft(wide, processors(), do_sample=True)
+    (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=broken))
+    assert law_pvalue(law, samples, "broken: a wider draft's ids clamped") < ALPHA

@@ -216,6 +216,48 @@ def test_an_explicit_draft_window_of_none_encodes_the_whole_prompt():
             hf_specdec.SpeculativeConfig(draft_window=bad)
 
 
+@pytest.mark.parametrize("draft_vocab", [396, 404])
+def test_greedy_identity_with_a_draft_vocabulary_padded_differently(draft_vocab):
+    """A draft whose embedding has a few rows fewer or more than the target's (padding, as Qwen2.5-0.5B
+    has for 7B): plain greedy's output on one row, a left-padded batch, a stream and a drafter passed as
+    candidate_generator; the target emits ids past the narrower draft's rows (fed to it as its last row)."""
+    target = tiny_model("llama", vocab=400, seed=5)
+    with torch.no_grad():
+        target.lm_head.weight[396:] *= 3
+    draft = perturbed(target, 0.3)
+    draft.resize_token_embeddings(draft_vocab, mean_resizing=False)
+    prompt = torch.tensor([[1, 5, 9, 397, 12, 398]])
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert sum(t >= 396 for t in plain[0, 6:].tolist()) >= 5
+    for kwargs in ({"assistant": draft}, {"candidate_generator": hf_specdec.DraftModelDrafter(draft, None, False)}):
+        out = target.generate(prompt, max_new_tokens=40, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+                              return_dict_in_generate=True, **kwargs)
+        assert out.sequences.tolist() == plain.tolist() and out.acceptance.accepted > 0
+    batch = torch.tensor([[0, 0, 1, 5, 9, 397], [1, 5, 9, 397, 12, 398]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    fixed = target.generate(prompt, max_new_tokens=30, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+                            assistant=draft, adaptive=False, ngram=False)  # draft chains only
+    assert fixed.tolist() == plain[:, :36].tolist()
+    assert target.generate(batch, attention_mask=mask, max_new_tokens=30, do_sample=False,
+                           custom_generate=hf_specdec.speculative_generate, assistant=draft).tolist() == \
+        target.generate(batch, attention_mask=mask, max_new_tokens=30, do_sample=False).tolist()
+    prompts = [[1, 5, 9, 397], [1, 398, 3], [1, 2, 3, 4, 5]]
+    results = hf_specdec.generate_continuous(target, prompts, assistant=draft, max_batch_size=2, max_new_tokens=20,
+                                             do_sample=False)
+    for result, p in zip(results, prompts, strict=True):
+        assert result.tokens.tolist() == target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
+
+
+def test_vocabularies_beyond_padding_are_refused():
+    """Sizes within 1% of the larger are one vocabulary's padding; beyond, a draft loaded by mistake."""
+    from hf_specdec.arguments import padding_rows
+
+    assert padding_rows(152064, 151936) and padding_rows(50688, 50304) and not padding_rows(32768, 32000)
+    target = tiny_model("llama", vocab=400, seed=5)
+    with pytest.raises(ValueError, match="vocabulary mismatch: the target scores 400 tokens but the draft scores 392.*1%"):
+        spec(target, tiny_model("llama", vocab=392), max_new_tokens=3)
+
+
 # ---------------------------------------------------------------- outputs, streamers, stats
 
 

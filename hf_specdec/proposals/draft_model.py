@@ -46,6 +46,12 @@ class DraftModelDrafter(Drafter):
     says how many tokens it can still draft, the window is shrunk to fit in it, and a row joining
     wider than the context retires the draft for the rest of the call (its cache becomes None; the
     loop then takes lookups or plain steps). Nothing is fed past the draft's last position.
+
+    `vocab`: the width of the distributions it proposes from, the target's vocabulary (the loop sets
+    it). A draft whose embedding has a few padding rows more or fewer than the target's (Qwen2.5-0.5B
+    for 7B, the Pythia sizes) scores the target's ids: its logits are cut to `vocab` rows, or filled
+    with -inf past its own (q is 0 there, so it never drafts them), and an id past its rows that the
+    target emitted is fed to it as its last row. Exact like any draft: q is what it proposes from.
     """
 
     source = DRAFT
@@ -57,12 +63,14 @@ class DraftModelDrafter(Drafter):
         do_sample: bool,
         generator: torch.Generator | None = None,
         window: int | None = None,  # encode only the last `window` prompt tokens (None: all of them)
+        vocab: int | None = None,  # the target's vocabulary size, where the draft's differs by padding rows
     ):
         self.model = model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.generator = generator
-        self.vocab = model.get_output_embeddings().weight.shape[0]
+        self.draft_vocab = model.get_output_embeddings().weight.shape[0]  # the rows the draft scores
+        self.vocab = self.draft_vocab if vocab is None else vocab  # the rows it proposes over (the target's)
         if window is not None and window < 1:
             raise ValueError(f"the draft window must be a positive number of tokens, got {window}")
         self.max_positions = context_length(model.config)
@@ -87,7 +95,7 @@ class DraftModelDrafter(Drafter):
                            "the draft model is not used for the rest of this call", length, self.max_positions)
             self.cache = None
         if self.cache is not None:
-            add_row(self.model, self.cache, ids, mask)
+            add_row(self.model, self.cache, self._feed(ids), mask)
         self.processors.add_row()
 
     def room(self, longest: int) -> int | None:
@@ -111,17 +119,29 @@ class DraftModelDrafter(Drafter):
 
     def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [rows, vocab]
         """The draft's raw logits after `ids`, feeding what its cache lacks (the prompt, or its last
-        `window` tokens, on the first call)."""
+        `window` tokens, on the first call), as a [rows, vocab] row over the target's ids."""
+        ids = self._feed(ids)
         if self.window is not None and not self.cache.get_seq_length() and ids.shape[1] > self.window:
             self.hidden = ids.shape[1] - self.window
             window_mask = None if mask is None else mask[:, self.hidden :]
             logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=1)
             hide_prefix(self.cache, self.hidden)
-            return logits[:, -1]
+            return self._fit(logits[:, -1])
         if self.hidden:
             mask = torch.ones_like(ids) if mask is None else mask.clone()
             mask[:, : self.hidden] = 0
-        return extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1]
+        return self._fit(extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1])
+
+    def _feed(self, ids: torch.Tensor) -> torch.Tensor:
+        """`ids` as the draft can embed them: a target id past the draft's rows becomes its last row."""
+        return ids.clamp_max(self.draft_vocab - 1) if self.vocab > self.draft_vocab else ids
+
+    def _fit(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, draft_vocab] logits as [rows, vocab]: cut, or -inf past the draft's rows."""
+        extra = self.vocab - logits.shape[-1]
+        if extra > 0:
+            return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
+        return logits[:, : self.vocab] if extra else logits
 
     def propose(self, request: DraftRequest) -> Proposal:
         """`request.max_tokens` tokens per row, one draft forward each, with no read of the device

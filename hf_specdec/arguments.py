@@ -132,10 +132,6 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
             f"hf_specdec does not support beam search (num_beams={generation_config.num_beams}); "
             "it implements greedy and multinomial sampling only."
         )
-    if generation_config.num_return_sequences not in (None, 1):
-        raise ValueError("hf_specdec does not support num_return_sequences > 1; for n samples of a prompt, repeat its "
-                         "row (input_ids.repeat_interleave(n, dim=0), and the mask): rows of one call retrieve from each "
-                         "other's text.")
     if synced_gpus:
         raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
     if getattr(generation_config, "constraints", None) or getattr(generation_config, "force_words_ids", None):

@@ -393,6 +393,9 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
         if _setting(name, generate_kwargs, model):
             raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
                              f"{name} has no place in it (one generate call per prompt returns scores)")
+    if (_setting("num_return_sequences", generate_kwargs, model) or 1) != 1:
+        raise ValueError("generate_continuous returns one StreamResult a prompt: for n samples of a prompt, give it n "
+                         "times in prompts (rows of one stream retrieve from each other's text)")
     for name in ("max_new_tokens", "max_length"):  # plain generate() takes 2.5 and rounds; the loop needs integers
         value = _setting(name, generate_kwargs, model)  # a keyword, the config passed, or the model's
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):

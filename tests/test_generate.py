@@ -258,6 +258,31 @@ def test_vocabularies_beyond_padding_are_refused():
         spec(target, tiny_model("llama", vocab=392), max_new_tokens=3)
 
 
+@pytest.mark.parametrize("form", ["callable", "directory"])
+def test_num_return_sequences_gives_the_repeated_rows_draws(form):
+    """n samples a prompt, as plain generate() takes them: transformers repeats each row n times
+    (repeat_interleave) before the decode loop, so with pinned costs and one seed the output is the
+    explicit repeat's, draw for draw (rows of one prompt retrieve from each other's text). Greedy with
+    n > 1 gets transformers' own error, as plain; a stream (one result a prompt) is refused by name."""
+    target = tiny_model("llama", seed=3)
+    draft = perturbed(target, 0.3)
+    prompts, mask = torch.tensor([[1, 5, 9, 2], [0, 1, 4, 6]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    method = (dict(custom_generate=hf_specdec.speculative_generate, assistant=draft) if form == "callable" else
+              dict(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, assistant_model=draft))
+    kwargs = dict(do_sample=True, max_new_tokens=12, return_dict_in_generate=True, output_scores=True,
+                  costs=hf_specdec.Costs(draft_step=0.1, verify=0.05), **method)
+    torch.manual_seed(0)
+    out = target.generate(prompts, attention_mask=mask, num_return_sequences=3, **kwargs)
+    torch.manual_seed(0)
+    repeated = target.generate(prompts.repeat_interleave(3, 0), attention_mask=mask.repeat_interleave(3, 0), **kwargs)
+    assert out.sequences.shape == (6, 16) and out.sequences.tolist() == repeated.sequences.tolist()
+    assert len(out.scores) == 12 and out.scores[0].shape == (6, 64)
+    with pytest.raises(ValueError, match="Greedy methods .* do not support `num_return_sequences`"):
+        target.generate(prompts, attention_mask=mask, num_return_sequences=3, max_new_tokens=3, **method)
+    with pytest.raises(ValueError, match="one StreamResult a prompt: for n samples of a prompt, give it n times"):
+        hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, do_sample=True, num_return_sequences=2)
+
+
 # ---------------------------------------------------------------- outputs, streamers, stats
 
 

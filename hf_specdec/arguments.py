@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import inspect
+import logging
 import numbers
 import os
 import sys
@@ -26,6 +27,8 @@ from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .retrieval import RetrievalCache
 from .sampling import row_unsafe
+
+logger = logging.getLogger(__name__)
 
 
 def _resolve_config(base: SpeculativeConfig | None, **overrides: Any) -> SpeculativeConfig:
@@ -151,6 +154,34 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
         raise ValueError(
             f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
+    for name, why in _ASSISTED_METHODS.items():  # transformers' own speculation would run another method or law
+        if getattr(generation_config, name, None) not in (None, False):
+            raise ValueError(f"{name}={getattr(generation_config, name)!r} asks for transformers' own assisted "
+                             f"decoding, which hf_specdec replaces: {why}.")
+    for name, (default, why) in _ASSISTED_KNOBS.items():  # filled in every call (transformers' defaults): warned
+        if getattr(generation_config, name, None) not in (None, default):
+            logger.warning("%s=%r is a setting of transformers' assisted decoding, which hf_specdec does not read: %s",
+                           name, getattr(generation_config, name), why)
+
+
+_ASSISTED_METHODS = {
+    "assistant_ensemble_weight": "it relaxes the target's law, and hf_specdec verifies exactly (drop it)",
+    "prompt_lookup_num_tokens": "hf_specdec looks up continuations in the prompt and the output itself (ngram=True, "
+                                "the default; candidate_generator=hf_specdec.NgramDrafter() for lookups alone)",
+    "assistant_early_exit": "pass assistant=hf_specdec.early_exit_draft(model, num_layers) for an early-exit draft",
+    "use_mtp": "multi-token prediction is another method; drop use_mtp to speculate with the draft given",
+    "speculation_type": "it picks one of transformers' methods; drop it to speculate with the draft given",
+}
+_PLANNED = "hf_specdec plans each round's draft length itself (num_draft_tokens= is the most; adaptive=False: always)"
+_OTHER_TOKENIZER = "it is for drafts with another tokenizer; hf_specdec needs the target's vocabulary"
+_ASSISTED_KNOBS = {  # name: (the value transformers fills in when unset, why it is not read)
+    "num_assistant_tokens": (20, _PLANNED),
+    "num_assistant_tokens_schedule": ("constant", _PLANNED),
+    "assistant_confidence_threshold": (0.4, _PLANNED),
+    "max_matching_ngram_size": (None, "hf_specdec sizes its lookups itself (ngram=True, the default)"),
+    "assistant_lookbehind": (10, _OTHER_TOKENIZER),
+    "target_lookbehind": (10, _OTHER_TOKENIZER),
+}
 
 
 def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | None) -> None:

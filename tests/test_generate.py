@@ -248,6 +248,33 @@ def test_greedy_identity_with_a_draft_vocabulary_padded_differently(draft_vocab)
         assert result.tokens.tolist() == target.generate(torch.tensor([p]), max_new_tokens=20, do_sample=False)[0, len(p):].tolist()
 
 
+@pytest.mark.parametrize("setting, message", [
+    (dict(assistant_ensemble_weight=0.5, do_sample=True), "relaxes the target's law"),
+    (dict(prompt_lookup_num_tokens=3), "ngram=True"),
+    (dict(assistant_early_exit=1), "early_exit_draft"),
+    (dict(use_mtp=True), "multi-token prediction"),
+    (dict(speculation_type="dflash"), "picks one of transformers' methods"),
+])
+def test_transformers_own_speculation_settings_are_refused(setting, message):
+    """Before: each was dropped silently (a relaxed law asked for, exact verification given)."""
+    target = tiny_model("llama", seed=14)
+    with pytest.raises(ValueError, match=f"{next(iter(setting))}=.* asks for transformers' own assisted decoding.*{message}"):
+        spec(target, perturbed(target, 0.3), max_new_tokens=3, **setting)
+
+
+def test_transformers_assisted_knobs_are_named_as_unread(caplog):
+    """Settings of transformers' assisted loop that hf_specdec does not read are warned about by name
+    (transformers fills its own defaults in every call, so those are not)."""
+    target = tiny_model("llama", seed=14)
+    draft = perturbed(target, 0.3)
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        spec(target, draft, max_new_tokens=3)
+        assert "assisted decoding" not in caplog.text
+        spec(target, draft, max_new_tokens=3, num_assistant_tokens=5, max_matching_ngram_size=3)
+    assert "num_assistant_tokens=5 is a setting of transformers' assisted decoding" in caplog.text
+    assert "max_matching_ngram_size=3" in caplog.text
+
+
 def test_vocabularies_beyond_padding_are_refused():
     """Sizes within 1% of the larger are one vocabulary's padding; beyond, a draft loaded by mistake."""
     from hf_specdec.arguments import padding_rows

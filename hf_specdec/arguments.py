@@ -25,6 +25,7 @@ from transformers.generation.streamers import BaseStreamer
 from .cache import UnsupportedCacheError, check_cache, column_bound, local_window
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
+from .proposals.draft_model import inner_drafter
 from .retrieval import RetrievalCache
 from .sampling import row_unsafe
 
@@ -413,10 +414,11 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
 def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int) -> None:
     """A candidate_generator's rows, and the draft model inside one of ours, checked as `assistant=` is."""
     _validate_rows(candidate_generator, rows, f"got a batch of {rows} rows")
-    inner = getattr(getattr(candidate_generator, "drafter", candidate_generator), "model", None)
-    if isinstance(candidate_generator, Drafter) and isinstance(inner, PreTrainedModel):
-        _validate_assistant(model, inner)
-        _validate_layers(inner, "draft model (in the candidate_generator)")
+    inner = inner_drafter(candidate_generator)  # ours, wrapped or not; else a Drafter of one's own with a model
+    draft = inner.model if inner is not None else getattr(candidate_generator, "model", None)
+    if (inner is not None or isinstance(candidate_generator, Drafter)) and isinstance(draft, PreTrainedModel):
+        _validate_assistant(model, draft)
+        _validate_layers(draft, "draft model (in the candidate_generator)")
 
 
 def _validate_rows(candidate_generator, rows: int, what: str) -> None:

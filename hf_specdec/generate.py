@@ -33,7 +33,7 @@ from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests, learned_positions
 from .planner import CostEstimates, Planner
 from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
-from .proposals.draft_model import context_length
+from .proposals.draft_model import context_length, inner_drafter
 from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
@@ -268,10 +268,9 @@ def _drafter(
 ) -> tuple[Drafter, bool]:
     """(the draft source, whether it is a foreign transformers generator, wrapped here once). A draft
     model of ours proposes over the target's `vocab` ids (its own may differ by padding rows)."""
+    if (inner := inner_drafter(candidate_generator)) is not None:
+        inner.vocab = vocab
     if isinstance(candidate_generator, Drafter):
-        inner = getattr(candidate_generator, "drafter", candidate_generator)
-        if isinstance(inner, DraftModelDrafter):
-            inner.vocab = vocab
         return candidate_generator, False
     if candidate_generator is not None:
         return CandidateGeneratorDrafter(candidate_generator), True

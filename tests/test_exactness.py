@@ -27,6 +27,7 @@ from scipy import stats
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
+    SuppressTokensLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -64,11 +65,11 @@ def processors() -> LogitsProcessorList:
 
 
 @torch.no_grad()
-def exact_joint(model, prompt=PROMPT) -> dict[tuple[int, ...], float]:
+def exact_joint(model, prompt=PROMPT, pipeline: LogitsProcessorList | None = None) -> dict[tuple[int, ...], float]:
     """P(first NEW tokens = t) under plain sampling from `model`, by enumeration: at each depth every
     prefix with mass is one row of a full forward (no cache, no padding: they have one length), and
-    the pipeline (all row-wise) gives each row's next-token law."""
-    pipeline = processors()
+    the pipeline (all row-wise; SAMPLING's unless given) gives each row's next-token law."""
+    pipeline = pipeline or processors()
     law = {(): 1.0}
     for _ in range(NEW):
         prefixes = list(law)
@@ -554,3 +555,30 @@ def test_broken_clamped_wide_draft_is_detected(padded_pair):
     broken = ClampedDraft(wide, processors(), do_sample=True)
     (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=broken))
     assert law_pvalue(law, samples, "broken: a wider draft's ids clamped") < ALPHA
+
+
+class FirstPaddedId(DraftModelDrafter):
+    """Broken: where the processors leave only ids past its rows, the draft reports q uniform on them
+    but always draws the first."""
+
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
+        dead = q[:, : self.draft_vocab].sum(dim=-1) == 0
+        return torch.where(dead, self.draft_vocab, token), q, rest
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_sampling_when_only_ids_past_the_draft_rows_are_allowed(padded_pair, broken):
+    """Before: the narrower draft's scores were all -inf and sampling it failed (plain sampling does
+    not). Its q is now uniform on the ids past its rows. Power of the broken variant: at 3000 rows the
+    joint chi2 was 494 on 3 dof (it emits 198 with twice its p, below 1/2, the q it is verified with)."""
+    target, narrow, _, _ = padded_pair
+    suppress = SuppressTokensLogitsProcessor(list(range(198)), device="cpu")
+    pipeline = LogitsProcessorList([processors()[0], suppress, *processors()[1:]])
+    law = exact_joint(target, pipeline=pipeline)
+    assert len(law) >= 4
+    draft = FirstPaddedId(narrow, pipeline, do_sample=True) if broken else hf_specdec.DraftModelDrafter(narrow, pipeline, True)
+    (samples,) = sample_rows(target, 5, PROMPT.tolist(), rows=SAMPLES, suppress_tokens=list(range(198)),
+                             **spec_kwargs(None, candidate_generator=draft))
+    pvalue = law_pvalue(law, samples, f"only ids past the draft's rows allowed{' (BROKEN)' if broken else ''}")
+    assert pvalue < ALPHA if broken else pvalue > ALPHA

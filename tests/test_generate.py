@@ -229,7 +229,9 @@ def test_greedy_identity_with_a_draft_vocabulary_padded_differently(draft_vocab)
     prompt = torch.tensor([[1, 5, 9, 397, 12, 398]])
     plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
     assert sum(t >= 396 for t in plain[0, 6:].tolist()) >= 5
-    for kwargs in ({"assistant": draft}, {"candidate_generator": hf_specdec.DraftModelDrafter(draft, None, False)}):
+    wrapped = hf_specdec.CandidateGeneratorDrafter(hf_specdec.DraftCandidateGenerator(draft, None, 4, False))
+    for kwargs in ({"assistant": draft}, {"candidate_generator": hf_specdec.DraftModelDrafter(draft, None, False)},
+                   {"candidate_generator": wrapped}):  # the last: an IndexError before
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, custom_generate=hf_specdec.speculative_generate,
                               return_dict_in_generate=True, **kwargs)
         assert out.sequences.tolist() == plain.tolist() and out.acceptance.accepted > 0
@@ -283,6 +285,9 @@ def test_vocabularies_beyond_padding_are_refused():
     target = tiny_model("llama", vocab=400, seed=5)
     with pytest.raises(ValueError, match="vocabulary mismatch: the target scores 400 tokens but the draft scores 392.*1%"):
         spec(target, tiny_model("llama", vocab=392), max_new_tokens=3)
+    wrapped = hf_specdec.CandidateGeneratorDrafter(hf_specdec.DraftCandidateGenerator(tiny_model("llama", vocab=300), None, 4, False))
+    with pytest.raises(ValueError, match="the target scores 400 tokens but the draft scores 300"):  # an IndexError before
+        spec(target, None, max_new_tokens=3, candidate_generator=wrapped)
 
 
 @pytest.mark.parametrize("form", ["callable", "directory"])

@@ -51,7 +51,8 @@ class DraftModelDrafter(Drafter):
     it). A draft whose embedding has a few padding rows more or fewer than the target's (Qwen2.5-0.5B
     for 7B, the Pythia sizes) scores the target's ids: its logits are cut to `vocab` rows, or filled
     with -inf past its own (q is 0 there, so it never drafts them), and an id past its rows that the
-    target emitted is fed to it as its last row. Exact like any draft: q is what it proposes from.
+    target emitted is fed to it as its last row; where the processors leave only ids past its rows,
+    q is uniform on those. Exact like any draft: q is what it proposes from.
     """
 
     source = DRAFT
@@ -187,6 +188,9 @@ class DraftModelDrafter(Drafter):
         """(token [rows], q [rows, vocab] or None, and when `report` on the device: the draft's
         probability of the token, and for greedy drafts its runner-up and the runner-up's probability)."""
         scores = self.processors.scores(prefixes, drafts, logits)  # [rows, vocab]
+        if self.vocab > self.draft_vocab:  # processors that leave only ids past the draft's rows: q uniform on those
+            dead = scores.isneginf().all(dim=-1, keepdim=True)  # [rows, 1]
+            scores = scores.masked_fill(dead & (torch.arange(self.vocab, device=scores.device) >= self.draft_vocab), 0.0)
         if self.do_sample:
             q = logits_to_probs(scores)
             token = sample(q, self.generator)
@@ -200,6 +204,14 @@ class DraftModelDrafter(Drafter):
             return token, q, [q_token]
         second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
         return token, q, [q_token, second.indices.double(), second.values.double()]
+
+
+def inner_drafter(candidate_generator) -> DraftModelDrafter | None:
+    """The `DraftModelDrafter` inside a candidate_generator: itself, a `DraftCandidateGenerator`'s, or
+    one of those wrapped in a `CandidateGeneratorDrafter`; None for any other source."""
+    inner = getattr(candidate_generator, "candidate_generator", candidate_generator)
+    inner = getattr(inner, "drafter", inner)
+    return inner if isinstance(inner, DraftModelDrafter) else None
 
 
 class DraftCandidateGenerator(CandidateGenerator, Drafter):

@@ -256,8 +256,9 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None) 
     model = frame.f_locals.get("assistant_model")  # consumed too: two drafts given, one silently unused
     if model is not None and model is not assistant:
         raise ValueError("assistant_model= does not reach a callable custom_generate (transformers consumes it); "
-                         "pass the draft once, as assistant=draft (or use the directory form, which takes "
-                         "assistant_model=)")
+                         + ("pass the draft as assistant=draft" if assistant is None else
+                            "a second draft was given as assistant=: pass one draft, as assistant=draft")
+                         + " (or use the directory form, which takes assistant_model=)")
     dropped = frame.f_locals.get("streamer")
     if dropped is None or dropped is spec_streamer:
         return

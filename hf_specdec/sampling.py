@@ -280,8 +280,9 @@ def _check_row_safe(processor: LogitsProcessorList) -> None:
     unknown = row_unsafe(processor)
     if unknown:
         raise ValueError(
-            f"batched speculative decoding applies logits processors row by row, and {', '.join(unknown)} "
-            "is not known to allow that; run such a generation one row at a time."
+            f"batched speculative decoding (several prompts, or num_return_sequences > 1, which repeats each prompt) "
+            f"applies logits processors row by row, and {', '.join(unknown)} is not known to allow that; run such a "
+            "generation one row at a time (one call per sample)."
         )
 
 

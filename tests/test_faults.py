@@ -517,8 +517,11 @@ def test_a_second_draft_given_as_assistant_model_is_refused(models):
     target, draft = models
     other = tiny_model("llama", vocab=80, seed=2)
     kwargs = dict(max_new_tokens=4, do_sample=False, custom_generate=hf_specdec.speculative_generate, assistant=draft)
-    with pytest.raises(ValueError, match="assistant_model= does not reach a callable"):
+    with pytest.raises(ValueError, match="assistant_model= does not reach a callable.*a second draft was given"):
         target.generate(torch.tensor([[1, 2, 3]]), assistant_model=other, **kwargs)
+    alone = {k: v for k, v in kwargs.items() if k != "assistant"}  # the draft given once, under the name consumed
+    with pytest.raises(ValueError, match="assistant_model= does not reach a callable.*; pass the draft as assistant=draft"):
+        target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, **alone)
     assert torch.equal(target.generate(torch.tensor([[1, 2, 3]]), assistant_model=draft, **kwargs)[0, 3:],
                        plain(target, [1, 2, 3], max_new_tokens=4))
 

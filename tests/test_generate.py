@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -313,6 +313,23 @@ def test_num_return_sequences_gives_the_repeated_rows_draws(form):
         target.generate(prompts, attention_mask=mask, num_return_sequences=3, max_new_tokens=3, **method)
     with pytest.raises(ValueError, match="one StreamResult a prompt: for n samples of a prompt, give it n times"):
         hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, do_sample=True, num_return_sequences=2)
+
+
+class _Ban(LogitsProcessor):
+    """A user's processor hf_specdec does not know to be row-wise."""
+
+    def __call__(self, input_ids, scores):
+        return scores.index_fill(-1, torch.tensor([7]), float("-inf"))
+
+
+def test_an_unknown_processor_is_refused_for_several_rows_naming_num_return_sequences():
+    """One prompt with num_return_sequences=2 is two rows: the refusal says so (it spoke of batches only)."""
+    target = tiny_model("llama", seed=3)
+    kwargs = dict(do_sample=True, max_new_tokens=4, logits_processor=LogitsProcessorList([_Ban()]),
+                  custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, 0.3))
+    assert target.generate(PROMPT, **kwargs).shape == (1, PROMPT.shape[1] + 4)
+    with pytest.raises(ValueError, match=r"num_return_sequences > 1.*_Ban is not known to allow that.*one call per sample"):
+        target.generate(PROMPT, num_return_sequences=2, **kwargs)
 
 
 # ---------------------------------------------------------------- outputs, streamers, stats

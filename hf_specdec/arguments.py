@@ -72,6 +72,9 @@ def continuous_settings(config, logits_processor, stopping_criteria, candidate_g
                          "processor from the call's first prompt; continuous batching has many prompts (one generate "
                          "call per prompt can use it)")
     # Rows join and leave: no tree (single rows only), no draft window; max_new_tokens counts per row.
+    if isinstance(config.draft_window, int):
+        logger.warning("draft_window=%d is for one row at a time; continuous batching encodes whole prompts in the "
+                       "draft", config.draft_window)
     config = dataclasses.replace(config, tree=False, draft_window=None)
     stopping_criteria = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, MaxLengthCriteria)])
     return config, stopping_criteria

@@ -278,6 +278,10 @@ def _drafter(
     window = None
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):
         window = config.window_for(bool(generation_config.do_sample))
+    elif isinstance(config.draft_window, int):
+        logger.warning("draft_window=%d is for one row with a full-attention draft; this call has %d rows%s: the "
+                       "draft encodes whole prompts", config.draft_window, input_ids.shape[0],
+                       "" if input_ids.shape[0] > 1 else " and a draft with sliding-window layers")
     return DraftModelDrafter(assistant, logits_processor, bool(generation_config.do_sample), generator, window=window,
                              vocab=vocab), False
 

@@ -277,6 +277,21 @@ def test_transformers_assisted_knobs_are_named_as_unread(caplog):
     assert "max_matching_ngram_size=3" in caplog.text
 
 
+def test_a_draft_window_that_cannot_apply_is_warned_about(caplog):
+    """Before: draft_window=8 was dropped silently for a batch and a stream (the window is for one row)."""
+    target = tiny_model("llama", seed=14)
+    draft = perturbed(target, 0.3)
+    batch, mask = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]]), torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        spec(target, draft, max_new_tokens=3, draft_window=8)
+        assert "draft_window" not in caplog.text
+        target.generate(batch, attention_mask=mask, max_new_tokens=3, custom_generate=hf_specdec.speculative_generate,
+                        assistant=draft, draft_window=8)
+        assert "draft_window=8 is for one row with a full-attention draft; this call has 2 rows" in caplog.text
+        hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=3, draft_window=8)
+    assert "continuous batching encodes whole prompts" in caplog.text
+
+
 def test_vocabularies_beyond_padding_are_refused():
     """Sizes within 1% of the larger are one vocabulary's padding; beyond, a draft loaded by mistake."""
     from hf_specdec.arguments import padding_rows

@@ -31,6 +31,7 @@ ROW_INDEPENDENT = tuple(
         "MinNewTokensLengthLogitsProcessor", "ForcedBOSTokenLogitsProcessor", "ForcedEOSTokenLogitsProcessor",
         "InfNanRemoveLogitsProcessor", "ExponentialDecayLengthPenalty", "LogitNormalization",
         "SuppressTokensLogitsProcessor", "SuppressTokensAtBeginLogitsProcessor",
+        "WatermarkLogitsProcessor",  # its greenlist is seeded from the row's last tokens at every call
     )
     if hasattr(lp, name)
 )

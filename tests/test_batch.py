@@ -140,6 +140,18 @@ def test_batched_greedy_with_processors_and_compaction_matches_plain():
     assert compactions, "the run should compact at least once"
 
 
+@pytest.mark.parametrize("scheme", ["lefthash", "selfhash"])
+def test_batched_greedy_with_a_watermark_matches_plain(scheme):
+    """A watermark (seeded from each row's last tokens) in a left-padded batch: it was refused."""
+    from transformers import WatermarkingConfig
+
+    target = tiny_model("llama", seed=35)
+    ids, mask = left_padded(PROMPTS)
+    kwargs = dict(do_sample=False, max_new_tokens=30, watermarking_config=WatermarkingConfig(bias=2.5, seeding_scheme=scheme))
+    assert torch.equal(spec(target, perturbed(target, noise=0.3), ids, mask, **kwargs),
+                       target.generate(ids, attention_mask=mask, **kwargs))
+
+
 def test_a_compaction_reads_nothing_from_the_device_whatever_its_segments(monkeypatch):
     """The target's cache runs ahead of a draft that sat out lookup rounds, so a compaction gathers two
     segments of columns; each segment's width comes from the host copy of the mask (no synchronisation

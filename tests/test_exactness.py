@@ -31,6 +31,8 @@ from transformers import (
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
+    WatermarkingConfig,
+    WatermarkLogitsProcessor,
 )
 from transformers.generation.candidate_generator import CandidateGenerator
 
@@ -38,6 +40,7 @@ import hf_specdec
 import hf_specdec.rounds
 from conftest import chi_square_against, perturbed, tiny_model
 from hf_specdec.proposals import DraftModelDrafter
+from hf_specdec.sampling import RowProcessors, logits_to_probs
 from hf_specdec.stats import DRAFT, NGRAM, NONE
 
 ALPHA = 1e-3  # a correct implementation fails each test with probability 0.001
@@ -581,4 +584,35 @@ def test_sampling_when_only_ids_past_the_draft_rows_are_allowed(padded_pair, bro
     (samples,) = sample_rows(target, 5, PROMPT.tolist(), rows=SAMPLES, suppress_tokens=list(range(198)),
                              **spec_kwargs(None, candidate_generator=draft))
     pvalue = law_pvalue(law, samples, f"only ids past the draft's rows allowed{' (BROKEN)' if broken else ''}")
+    assert pvalue < ALPHA if broken else pvalue > ALPHA
+
+
+# ---------------------------------------------------------------- a watermark (seeded from each row's last tokens)
+
+
+class UnwatermarkedQ(DraftModelDrafter):
+    """Broken: draws from the watermarked q but reports q without the watermark."""
+
+    def start(self, batch_size):
+        super().start(batch_size)
+        self.unmarked = RowProcessors(processors(), batch_size)
+
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
+        return token, logits_to_probs(self.unmarked.scores(prefixes, drafts, logits)), rest
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_watermarked_sampling_in_a_batch_follows_the_watermarked_law(pair, broken):
+    """transformers' WatermarkLogitsProcessor reseeds its greenlist from a row's last tokens at every
+    call, so it is row-wise and batches take it (they refused it). Broken: a draft that reports q
+    without the watermark. Power: at 3000 rows its joint chi2 was 225 on 24 dof (p ~ 1e-34)."""
+    target, draft, _ = pair
+    watermark = WatermarkLogitsProcessor(VOCAB, "cpu", greenlist_ratio=0.25, bias=3.0)
+    pipeline = LogitsProcessorList([*processors(), watermark])  # last, as generate() appends it
+    law = exact_joint(target, pipeline=pipeline)
+    drafter = (UnwatermarkedQ if broken else DraftModelDrafter)(draft, pipeline, do_sample=True)
+    (samples,) = sample_rows(target, 6, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=drafter),
+                             watermarking_config=WatermarkingConfig(greenlist_ratio=0.25, bias=3.0))
+    pvalue = law_pvalue(law, samples, f"a watermark{' (BROKEN: q reported without it)' if broken else ''}")
     assert pvalue < ALPHA if broken else pvalue > ALPHA

@@ -92,8 +92,11 @@ def validate(
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
     _validate_strategy(generation_config, synced_gpus)
+    _validate_assisted(model, generation_config)
+    n = generation_config.num_return_sequences or 1
+    rows = f"got a batch of {input_ids.shape[0]} rows" + (f" (num_return_sequences={n} repeats each prompt)" if n > 1 else "")
     if input_ids.shape[0] > 1 and streaming:
-        raise ValueError("streamers take one row, as in transformers; got a batch of %d rows" % input_ids.shape[0])
+        raise ValueError(f"streamers take one row, as in transformers; {rows}")
     if assistant is None and candidate_generator is None:
         raise ValueError(
             "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() with "
@@ -103,7 +106,7 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    _validate_drafter(model, candidate_generator, input_ids.shape[0])
+    _validate_drafter(model, candidate_generator, input_ids.shape[0], rows)
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids, generation_config.pad_token_id)
     _validate_positions(model_kwargs.get("position_ids"), model_kwargs.get("attention_mask"), input_ids)
@@ -158,14 +161,29 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
         raise ValueError(
             f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
-    for name, why in _ASSISTED_METHODS.items():  # transformers' own speculation would run another method or law
-        if getattr(generation_config, name, None) not in (None, False):
-            raise ValueError(f"{name}={getattr(generation_config, name)!r} asks for transformers' own assisted "
-                             f"decoding, which hf_specdec replaces: {why}.")
-    for name, (default, why) in _ASSISTED_KNOBS.items():  # filled in every call (transformers' defaults): warned
-        if getattr(generation_config, name, None) not in (None, default):
-            logger.warning("%s=%r is a setting of transformers' assisted decoding, which hf_specdec does not read: %s",
-                           name, getattr(generation_config, name), why)
+
+
+def _validate_assisted(model: PreTrainedModel, generation_config: GenerationConfig) -> None:
+    """transformers' own speculation settings: those that pick another method or law refused, the draft-length
+    knobs that differ from the defaults transformers fills into every call warned about (once), each named with
+    where it came from when the model's generation_config holds it."""
+    def origin(name: str) -> str:
+        value = getattr(generation_config, name)
+        if getattr(model.generation_config, name, None) == value:
+            return f" ({name}={value!r} comes from the model's generation_config: pass {name}=None to generate())"
+        return ""
+
+    for name, why in _ASSISTED_METHODS.items():  # as transformers reads them: set (use_mtp: true)
+        value = getattr(generation_config, name, None)
+        if (bool(value) if name == "use_mtp" else value is not None):
+            raise ValueError(f"{name}={value!r} asks for transformers' own assisted decoding, which hf_specdec "
+                             f"replaces: {why}{origin(name)}.")
+    for name, (default, why) in _ASSISTED_KNOBS.items():
+        value = getattr(generation_config, name, None)
+        if value not in (None, default) and (name, repr(value)) not in _WARNED:
+            _WARNED.add((name, repr(value)))
+            logger.warning("%s=%r is a setting of transformers' assisted decoding, which hf_specdec does not read: "
+                           "%s%s", name, value, why, origin(name))
 
 
 _ASSISTED_METHODS = {
@@ -186,6 +204,7 @@ _ASSISTED_KNOBS = {  # name: (the value transformers fills in when unset, why it
     "assistant_lookbehind": (10, _OTHER_TOKENIZER),
     "target_lookbehind": (10, _OTHER_TOKENIZER),
 }
+_WARNED: set[tuple[str, str]] = set()  # (name, value) warned about in this process
 
 
 def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | None) -> None:
@@ -238,23 +257,33 @@ class StreamerNotForwardedError(ValueError):
     the prompt into it and does not hand it to the callable, so no token and no end would follow."""
 
 
-def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None) -> None:
+def _generate_frame():
+    """transformers' generate() frame below this call (its decorators between), or None: a direct call."""
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(3)
+    for _ in range(16):  # generate() -> its decorators -> speculative_generate -> refuse_dropped_streamer
+        if frame is None or frame.f_code is code:
+            return frame
+        frame = frame.f_back
+    return None
+
+
+def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, num_return_sequences: int = 1) -> None:
     """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
     `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
     No public route hands the object over, so it is found in generate()'s own frame, ended (the
     consumer wakes up) and refused with an error naming the two forms that stream. An `assistant_model`
-    consumed the same way beside another `assistant` is refused too."""
-    from transformers.generation.utils import GenerationMixin
-
-    code = inspect.unwrap(GenerationMixin.generate).__code__
-    frame = sys._getframe(2)
-    for _ in range(16):  # generate() -> its decorators -> this call
-        if frame is None:
-            return
-        if frame.f_code is code:
-            break
-        frame = frame.f_back
-    else:
+    consumed the same way beside another `assistant` is refused too; and a direct call (no generate()
+    frame) asking for `num_return_sequences > 1`, which only generate() expands."""
+    frame = _generate_frame()
+    if frame is None:
+        if (num_return_sequences or 1) > 1:
+            raise ValueError(f"num_return_sequences={num_return_sequences}: model.generate() repeats each prompt that "
+                             "many times before its decode loop, and a direct call of speculative_generate takes "
+                             "input_ids as they are; repeat the rows (input_ids.repeat_interleave(n, dim=0), and the "
+                             "mask) or call model.generate()")
         return
     model = frame.f_locals.get("assistant_model")  # consumed too: two drafts given, one silently unused
     if model is not None and model is not assistant:
@@ -415,9 +444,9 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
         )
 
 
-def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int) -> None:
+def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int, what: str) -> None:
     """A candidate_generator's rows, and the draft model inside one of ours, checked as `assistant=` is."""
-    _validate_rows(candidate_generator, rows, f"got a batch of {rows} rows")
+    _validate_rows(candidate_generator, rows, what)
     inner = inner_drafter(candidate_generator)  # ours, wrapped or not; else a Drafter of one's own with a model
     draft = inner.model if inner is not None else getattr(candidate_generator, "model", None)
     if (inner is not None or isinstance(candidate_generator, Drafter)) and isinstance(draft, PreTrainedModel):

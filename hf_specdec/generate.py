@@ -95,7 +95,7 @@ def speculative_generate(
         logits_processor, stopping_criteria, generation_config = call_defaults(logits_processor, stopping_criteria,
                                                                                generation_config)
         if streamer is None:
-            refuse_dropped_streamer(spec_streamer, assistant)
+            refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
                  streaming=streamer is not None or spec_streamer is not None)
         validate_retrieval_cache(model, retrieval_cache)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria, StoppingCriteriaList
+from transformers import GenerationConfig, LogitsProcessor, LogitsProcessorList, StaticCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.streamers import BaseStreamer
 
@@ -256,6 +256,7 @@ def test_greedy_identity_with_a_draft_vocabulary_padded_differently(draft_vocab)
     (dict(assistant_early_exit=1), "early_exit_draft"),
     (dict(use_mtp=True), "multi-token prediction"),
     (dict(speculation_type="dflash"), "picks one of transformers' methods"),
+    (dict(assistant_early_exit=0), "early_exit_draft"),  # set, as transformers reads it (0 is not None)
 ])
 def test_transformers_own_speculation_settings_are_refused(setting, message):
     """Before: each was dropped silently (a relaxed law asked for, exact verification given)."""
@@ -269,12 +270,23 @@ def test_transformers_assisted_knobs_are_named_as_unread(caplog):
     (transformers fills its own defaults in every call, so those are not)."""
     target = tiny_model("llama", seed=14)
     draft = perturbed(target, 0.3)
+    hf_specdec.arguments._WARNED.clear()
     with caplog.at_level("WARNING", logger="hf_specdec"):
         spec(target, draft, max_new_tokens=3)
         assert "assisted decoding" not in caplog.text
         spec(target, draft, max_new_tokens=3, num_assistant_tokens=5, max_matching_ngram_size=3)
-    assert "num_assistant_tokens=5 is a setting of transformers' assisted decoding" in caplog.text
-    assert "max_matching_ngram_size=3" in caplog.text
+        assert "num_assistant_tokens=5 is a setting of transformers' assisted decoding" in caplog.text
+        assert "max_matching_ngram_size=3" in caplog.text
+        caplog.clear()
+        spec(target, draft, max_new_tokens=3, num_assistant_tokens=5)  # once a process
+        assert "assisted decoding" not in caplog.text
+        target.generation_config.num_assistant_tokens = 7  # a saved config's value: named as the model's
+        spec(target, draft, max_new_tokens=3)
+    assert "num_assistant_tokens=7 comes from the model's generation_config: pass num_assistant_tokens=None" in caplog.text
+    target.generation_config.num_assistant_tokens, target.generation_config.prompt_lookup_num_tokens = None, 10
+    with pytest.raises(ValueError, match="prompt_lookup_num_tokens=10 comes from the model's generation_config"):
+        spec(target, draft, max_new_tokens=3)
+    spec(target, draft, max_new_tokens=3, prompt_lookup_num_tokens=None)  # dropped as the message says
 
 
 def test_a_draft_window_that_cannot_apply_is_warned_about(caplog):
@@ -328,6 +340,16 @@ def test_num_return_sequences_gives_the_repeated_rows_draws(form):
         target.generate(prompts, attention_mask=mask, num_return_sequences=3, max_new_tokens=3, **method)
     with pytest.raises(ValueError, match="one StreamResult a prompt: for n samples of a prompt, give it n times"):
         hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, do_sample=True, num_return_sequences=2)
+    one = torch.tensor([[1, 5, 9, 2]])  # one prompt, n rows: the refusals of several rows say why there are n
+    with pytest.raises(ValueError, match=r"got a batch of 3 rows \(num_return_sequences=3 repeats each prompt\)"):
+        target.generate(one, do_sample=True, num_return_sequences=3, max_new_tokens=3, spec_streamer=BaseStreamer(),
+                        custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    with pytest.raises(ValueError, match=r"NgramDrafter\) proposes for 1 row at a time; got a batch of 2 rows \(num_return"):
+        target.generate(one, do_sample=True, num_return_sequences=2, max_new_tokens=3,
+                        custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter())
+    with pytest.raises(ValueError, match="a direct call of speculative_generate takes input_ids as they are"):
+        hf_specdec.speculative_generate(target, one, None, None, GenerationConfig(do_sample=True, num_return_sequences=3,
+                                                                                  max_length=8), assistant=draft)
 
 
 class _Ban(LogitsProcessor):

@@ -78,6 +78,7 @@ class DraftModelDrafter(Drafter):
         if window is not None and self.max_positions is not None:
             window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
         self.window = window
+        self._past: tuple = (None, None)  # (key, scores) of `_uniform_past`
         self.start(1)
 
     def start(self, batch_size: int) -> None:
@@ -137,6 +138,14 @@ class DraftModelDrafter(Drafter):
         """`ids` as the draft can embed them: a target id past the draft's rows becomes its last row."""
         return ids.clamp_max(self.draft_vocab - 1) if self.vocab > self.draft_vocab else ids
 
+    def _uniform_past(self, like: torch.Tensor) -> torch.Tensor:
+        """[vocab] scores 0 past the draft's rows and -inf on them, made once per width, device and dtype."""
+        key = (self.vocab, like.device, like.dtype)
+        if self._past[0] != key:
+            past = torch.arange(self.vocab, device=like.device) >= self.draft_vocab
+            self._past = key, torch.zeros(self.vocab, device=like.device, dtype=like.dtype).masked_fill(~past, float("-inf"))
+        return self._past[1]
+
     def _fit(self, logits: torch.Tensor) -> torch.Tensor:
         """[rows, draft_vocab] logits as [rows, vocab]: cut, or -inf past the draft's rows."""
         extra = self.vocab - logits.shape[-1]
@@ -189,8 +198,8 @@ class DraftModelDrafter(Drafter):
         probability of the token, and for greedy drafts its runner-up and the runner-up's probability)."""
         scores = self.processors.scores(prefixes, drafts, logits)  # [rows, vocab]
         if self.vocab > self.draft_vocab:  # processors that leave only ids past the draft's rows: q uniform on those
-            dead = scores.isneginf().all(dim=-1, keepdim=True)  # [rows, 1]
-            scores = scores.masked_fill(dead & (torch.arange(self.vocab, device=scores.device) >= self.draft_vocab), 0.0)
+            dead = ~(scores > float("-inf")).any(dim=-1, keepdim=True)  # [rows, 1]: nothing finite (NaN after a renormalization)
+            scores = torch.where(dead, self._uniform_past(scores), scores)
         if self.do_sample:
             q = logits_to_probs(scores)
             token = sample(q, self.generator)
@@ -234,8 +243,9 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
         num_draft_tokens: int,
         do_sample: bool,
         generator: torch.Generator | None = None,
+        vocab: int | None = None,  # the target's vocabulary size, where the draft's differs by padding rows
     ):
-        self.drafter = DraftModelDrafter(draft_model, logits_processor, do_sample, generator)
+        self.drafter = DraftModelDrafter(draft_model, logits_processor, do_sample, generator, vocab=vocab)
         self.num_draft_tokens = num_draft_tokens
         self._seen: torch.Tensor | None = None  # [batch, len]: the sequence the draft cache was built on
 

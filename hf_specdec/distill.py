@@ -1,5 +1,5 @@
 """Distil a draft toward its target (DistillSpec, Zhou et al. 2023, arXiv:2310.08461): on-policy data,
-a divergence over the full vocabulary, a chosen subset of the draft's layers trained.
+a divergence over the full vocabulary (the rows both score, for a draft padded differently), a chosen subset of the draft's layers trained.
 
 Each step takes one prompt (its last `context` tokens), lets the draft sample `new_tokens` of its own
 continuation (on-policy: the texts the draft will actually be asked to continue), scores prompt and
@@ -87,8 +87,13 @@ class Distiller:
     """Trains `draft` (in place, float32) toward `target` with checkpoints in `folder`."""
 
     def __init__(self, target, draft, config: DistillConfig, folder: str | Path):
-        if target.config.vocab_size != draft.config.vocab_size:
-            raise ValueError(f"target and draft vocabularies differ: {target.config.vocab_size} and {draft.config.vocab_size}")
+        from .arguments import padding_rows
+
+        tv, dv = target.config.vocab_size, draft.config.vocab_size
+        if tv != dv and not padding_rows(tv, dv):
+            raise ValueError(f"target and draft vocabularies differ: {tv} and {dv} (sizes within 1%, embedding padding, "
+                             "are taken as one vocabulary)")
+        self.shared = min(tv, dv)  # the rows both score: the divergence is taken over these
         self.target, self.config, self.folder = target.eval(), config, Path(folder)
         self.dtype = draft.dtype
         self.draft = draft.float()
@@ -161,6 +166,7 @@ class Distiller:
         sampling = GenerationConfig(
             do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0, max_new_tokens=self.config.new_tokens,
             eos_token_id=self.draft.generation_config.eos_token_id, pad_token_id=self.draft.generation_config.pad_token_id,
+            suppress_tokens=list(range(self.shared, self.draft.config.vocab_size)) or None,  # ids the target lacks
         )
         with torch.random.fork_rng(devices=[]):  # seeded by (seed, step), the caller's RNG untouched
             torch.manual_seed(self.config.seed * 1_000_003 + self.step_count)
@@ -169,12 +175,15 @@ class Distiller:
 
     def step(self, prompt: list[int]) -> float:
         """One on-policy step on `prompt`; returns the divergence before the update."""
+        if max(prompt, default=0) >= self.shared:
+            raise ValueError(f"prompt id {max(prompt)} is past the {self.shared} vocabulary rows both models score")
         ids, start = self.sample(prompt)
         keep = ids.shape[1] - start + 1  # the logits predicting each continuation token
         with torch.no_grad():
             target_logits = self.target(ids, logits_to_keep=keep).logits[:, :-1]
         draft_logits = self.draft(ids, logits_to_keep=keep).logits[:, :-1]
-        loss = divergence(target_logits, draft_logits, self.config.divergence, self.config.temperature)
+        loss = divergence(target_logits[..., : self.shared], draft_logits[..., : self.shared], self.config.divergence,
+                          self.config.temperature)
         self.optimizer.zero_grad()
         loss.backward()
         self.optimizer.step()

@@ -46,6 +46,29 @@ def test_distillation_lowers_the_divergence(tmp_path, kind):
     assert torch.equal(distiller.draft.get_output_embeddings().weight, draft.get_output_embeddings().weight)
 
 
+@pytest.mark.parametrize("draft_vocab", [198, 202])
+def test_a_draft_with_padding_rows_is_distilled_on_the_rows_both_score(tmp_path, draft_vocab):
+    """Before: refused ("vocabularies differ"), though generate() takes such a pair. The divergence is
+    taken over the shared rows, and a wider draft never samples an id the target lacks."""
+    target = tiny_model("llama", vocab=200, layers=3, seed=7)
+    draft = perturbed(target, noise=0.6, seed=8)
+    draft.resize_token_embeddings(draft_vocab, mean_resizing=False)
+    with torch.no_grad():  # a wider draft's extra rows made likely: sampling them would crash the target's forward
+        draft.lm_head.weight[198:] = 3 * draft.lm_head.weight[198:].abs().mean() * torch.sign(draft.lm_head.weight[0])
+    ids = torch.tensor([[1, 5, 9, 13, 2, 7, 30, 31, 8, 9, 10, 2, 5, 60, 4]])
+    shared = lambda model: model(ids).logits[..., :198]  # noqa: E731
+    with torch.no_grad():
+        before = divergence(shared(target), shared(draft), "fkl").item()
+    config = DistillConfig(steps=20, lr=3e-3, new_tokens=12, train_layers=(0, 1, 2), checkpoint_every=100)
+    distiller = Distiller(target, draft, config, tmp_path)
+    losses = distiller.train(PROMPTS, progress=False)
+    with torch.no_grad():
+        after = divergence(shared(target), shared(distiller.draft), "fkl").item()
+    assert all(loss == loss for loss in losses) and after < 0.95 * before
+    with pytest.raises(ValueError, match=f"prompt id {min(200, draft_vocab)} is past the {min(200, draft_vocab)} vocabulary rows"):
+        distiller.step([1, min(200, draft_vocab)])
+
+
 def test_untrained_layers_stay_and_the_divergence_is_zero_for_the_target_itself():
     target, draft = make_pair()
     original = copy.deepcopy(draft)

@@ -1,5 +1,6 @@
 """Distil a draft toward its target (DistillSpec, Zhou et al. 2023, arXiv:2310.08461): on-policy data,
-a divergence over the full vocabulary (the rows both score, for a draft padded differently), a chosen subset of the draft's layers trained.
+a divergence over the full vocabulary (the rows both score, for a draft padded differently), a chosen
+subset of the draft's layers trained.
 
 Each step takes one prompt (its last `context` tokens), lets the draft sample `new_tokens` of its own
 continuation (on-policy: the texts the draft will actually be asked to continue), scores prompt and

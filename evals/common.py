@@ -81,6 +81,12 @@ def prompt_pools(categories, split: str = "all") -> dict[str, list[tuple[str, st
     return {c: [(i, t) for i, t in pool if split_of(i) == split] for c, pool in pools.items()}
 
 
+def _chat_ids(tokenizer, text: str) -> list[int]:
+    """`text` as one user turn of the tokenizer's chat template, ready for the assistant's answer."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                         return_tensors="pt", return_dict=True)["input_ids"][0].tolist()
+
+
 def load_prompts(tokenizer, categories, per_category: int | None, split: str = "all") -> list[dict]:
     """Chat-formatted prompts of `split`, `per_category` of each category (None: all), evenly spaced
     through the file so that a small preset still samples the whole category."""
@@ -89,10 +95,47 @@ def load_prompts(tokenizer, categories, per_category: int | None, split: str = "
         n = len(pool) if per_category is None else min(per_category, len(pool))
         for i in range(n):
             prompt_id, text = pool[(i * len(pool)) // n]
-            ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, return_tensors="pt", return_dict=True
-            )["input_ids"]
-            prompts.append(dict(id=prompt_id, category=category, input_ids=ids[0].tolist()))
+            prompts.append(dict(id=prompt_id, category=category, input_ids=_chat_ids(tokenizer, text)))
+    return prompts
+
+
+PROMPT_FILES = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".txt": "text"}
+TEXT_COLUMNS = ("prompt", "text", "question", "instruction", "turns")  # the first present holds the prompt
+ID_COLUMNS = ("id", "question_id", "task_id")
+
+
+def load_prompt_file(tokenizer, path, categories=None, per_category: int | None = None) -> list[dict]:
+    """One's own prompts, chat-formatted like the presets': a local .jsonl, .json, .csv or .parquet file
+    read through `datasets` (the prompt in a column named one of TEXT_COLUMNS, a list's first item for
+    `turns`; an optional `category` column, else "custom"; an optional id column, else file/row), or a
+    .txt file of one prompt a line (blank lines skipped). `categories` keeps those only (None: all);
+    `per_category` takes each category's first that many (None: all)."""
+    from datasets import load_dataset
+
+    path = Path(path)
+    builder = PROMPT_FILES.get(path.suffix.lower())
+    if builder is None:
+        raise SystemExit(f"--prompts {path}: give a {', '.join(PROMPT_FILES)} file")
+    rows = load_dataset(builder, data_files=str(path), split="train")
+    column = next((c for c in TEXT_COLUMNS if c in rows.column_names), None)
+    if column is None:
+        raise SystemExit(f"--prompts {path}: no prompt column (one of {', '.join(TEXT_COLUMNS)}); it has {rows.column_names}")
+    id_column = next((c for c in ID_COLUMNS if c in rows.column_names), None)
+    prompts, counts = [], {}
+    for i, row in enumerate(rows):
+        text = row[column][0] if isinstance(row[column], list) and row[column] else row[column]
+        if builder == "text" and not (text or "").strip():
+            continue
+        if not isinstance(text, str) or not text.strip():
+            raise SystemExit(f"--prompts {path}: row {i} has no prompt text in column {column!r}")
+        category = str(row.get("category") or "custom")
+        if (categories and category not in categories) or counts.get(category, 0) == per_category:
+            continue
+        counts[category] = counts.get(category, 0) + 1
+        prompt_id = str(row[id_column]) if id_column else f"{path.stem}/{i}"
+        prompts.append(dict(id=prompt_id, category=category, input_ids=_chat_ids(tokenizer, text)))
+    if not prompts:
+        raise SystemExit(f"--prompts {path}: no prompts" + (f" in categories {list(categories)}" if categories else ""))
     return prompts
 
 

@@ -32,7 +32,8 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompts, add_options,
+    CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompt_file, load_prompts,
+    add_options,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts, with_scored,
     existing_path, positive_int,
 )
@@ -103,19 +104,22 @@ class EvalConfig:
     cost_table: Path | None = None  # a saved cost table to price work with (None: measure one at the start)
     second_draft: str | None = None  # another draft for the hf_second_draft method (registry name or folder)
     pack: bool = False  # every method on the float32 oneDNN-packed pair (hf_specdec.pack_linears)
+    prompts: Path | None = None  # one's own prompt file (common.load_prompt_file) instead of the presets' sets
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
     preset = PRESETS[args.preset]
     methods = args.methods + [m for m in ABLATIONS if args.ablation and m not in args.methods]
     return EvalConfig(
-        target=args.target, draft=args.draft, preset=args.preset, categories=tuple(args.categories),
+        target=args.target, draft=args.draft, preset=args.preset,
+        categories=tuple(args.categories or ()) if args.prompts or args.categories else CATEGORIES,
         modes=tuple(args.modes), methods=tuple(methods), out=Path(args.out), num_draft_tokens=args.num_draft_tokens,
-        prompts_per_category=preset.prompts_per_category if args.prompts_per_category is None else args.prompts_per_category,
+        prompts_per_category=(args.prompts_per_category if args.prompts or args.prompts_per_category is not None
+                              else preset.prompts_per_category),  # one's own file: all of it unless capped
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
         threads=args.threads, draft_bits=args.draft_bits, split=args.split,
         cost_table=Path(args.cost_table) if args.cost_table else None, second_draft=args.second_draft,
-        pack=args.pack,
+        pack=args.pack, prompts=Path(args.prompts) if args.prompts else None,
     )
 
 
@@ -129,7 +133,8 @@ def check_config(config: EvalConfig) -> None:
     bad = set(config.modes) - set(MODES)
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
-    check_categories(config.categories)
+    if config.prompts is None:
+        check_categories(config.categories)
     if config.split not in SPLITS:
         raise SystemExit(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
 
@@ -299,13 +304,19 @@ def attach_speedups(records) -> None:
                     r["new_tokens"], r["modelled_seconds"], base["new_tokens"], base["modelled_seconds"])
 
 
+def categories_of(records) -> list[str]:
+    """The records' categories: the presets' in their order, then one's own in the order they came."""
+    seen = list(dict.fromkeys(r["category"] for r in records))
+    return [c for c in CATEGORIES if c in seen] + [c for c in seen if c not in CATEGORIES]
+
+
 def summarise(records, metric) -> dict:
     attach_speedups(records)
     summary = {}
     for mode in MODES:
         for method in (m for m in ALL_METHODS if m != "plain"):  # plain is the baseline
             per_category = {}
-            for category in CATEGORIES:
+            for category in categories_of(records):
                 rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, method, category)]
                 ok = [r for r in rows if "error" not in r and r.get("speedup") is not None]
                 if ok:
@@ -477,18 +488,19 @@ def plot(records, summary, out: Path) -> None:
 def _plot_speedup(plt, records, summary, out: Path) -> None:
     """Speedup by category, one panel per mode."""
     fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4), squeeze=False)
+    categories = categories_of(records)
     for ax, (mode, methods) in zip(axes[0], summary.items()):
         width = 0.8 / max(1, len(methods))
         for j, (method, block) in enumerate(methods.items()):
-            cells = [block["categories"].get(c, {}) for c in CATEGORIES]
+            cells = [block["categories"].get(c, {}) for c in categories]
             values = [e.get("median_speedup") or 0 for e in cells]
             # Bootstrap 90% intervals of the median over prompts, where there are any.
             low = [v - (e.get("speedup_interval") or (v, v))[0] for v, e in zip(values, cells)]
             high = [(e.get("speedup_interval") or (v, v))[1] - v for v, e in zip(values, cells)]
-            ax.bar([i + j * width for i in range(len(CATEGORIES))], values, width, label=method,
+            ax.bar([i + j * width for i in range(len(categories))], values, width, label=method,
                    yerr=[low, high], capsize=2, error_kw=dict(linewidth=0.8))
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(CATEGORIES))], CATEGORIES, rotation=30, ha="right")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories, rotation=30, ha="right")
         ax.set_ylabel("speedup over plain (median, 90% CI)")
         ax.set_title(mode)
         ax.legend(fontsize=8)
@@ -503,7 +515,7 @@ def _plot_acceptance_by_position(plt, records, summary, out: Path) -> None:
 
     fig, axes = plt.subplots(1, len(MODES), figsize=(12, 4), squeeze=False)
     for ax, mode in zip(axes[0], MODES):
-        for category in CATEGORIES:
+        for category in categories_of(records):
             rows = [r for r in records if (r["mode"], r["method"], r["category"]) == (mode, "hf_specdec", category)]
             rows = [r for r in rows if "error" not in r]
             if rows:
@@ -587,7 +599,10 @@ def main(config: EvalConfig) -> dict | None:
     if config.second_draft is not None:
         second, _ = load_second_draft(config.second_draft, target, tokenizer)
         drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
-    prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
+    if config.prompts is not None:
+        prompts = load_prompt_file(tokenizer, config.prompts, config.categories, config.prompts_per_category)
+    else:
+        prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
     if not prompts:
         raise SystemExit(f"no prompts in split {config.split!r} for {list(config.categories)}")
     vocab = target.get_output_embeddings().weight.shape[0]
@@ -676,7 +691,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, "target", "draft")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="quick")
-    parser.add_argument("--categories", nargs="+", default=list(CATEGORIES), metavar="CATEGORY")
+    parser.add_argument("--categories", nargs="+", default=None, metavar="CATEGORY",
+                        help=f"of {', '.join(CATEGORIES)} (default: all), or of the --prompts file's")
+    parser.add_argument("--prompts", type=existing_path, default=None, metavar="FILE",
+                        help="one's own prompts instead of the presets' sets: a .jsonl, .json, .csv or .parquet file "
+                             "(read with datasets; a prompt/text/question/instruction column, optional category and id) "
+                             "or a .txt file of one prompt a line; all of them unless --prompts-per-category")
     parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
     add_options(parser, out="runs/eval")

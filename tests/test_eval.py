@@ -217,6 +217,43 @@ def test_a_stopped_eval_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
     assert list(summary["greedy"]["hf_specdec"]["categories"]) == [category]
 
 
+def test_an_eval_on_ones_own_prompt_file(tmp_path):
+    """--prompts FILE: one's own prompts (jsonl, csv, txt, through datasets) in place of the presets' sets,
+    all of them unless capped, with their own categories in the records, the summary and the plots."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    import run_eval
+    from common import load_prompt_file
+    from tiny import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    rows = [{"prompt": "Name three colours.", "category": "chat"}, {"prompt": "def add(a, b):", "category": "code"},
+            {"prompt": "Say hi.", "category": "chat"}]
+    jsonl = tmp_path / "mine.jsonl"
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "mine.csv").write_text("id,question\nq1,Name three colours.\nq2,Say hi.\n")
+    (tmp_path / "mine.txt").write_text("Name three colours.\n\nSay hi.\n")
+    got = load_prompt_file(tokenizer, jsonl)
+    assert [(p["id"], p["category"]) for p in got] == [("mine/0", "chat"), ("mine/1", "code"), ("mine/2", "chat")]
+    assert [p["category"] for p in load_prompt_file(tokenizer, jsonl, per_category=1)] == ["chat", "code"]
+    assert [p["id"] for p in load_prompt_file(tokenizer, jsonl, categories=("code",))] == ["mine/1"]
+    assert [(p["id"], p["category"]) for p in load_prompt_file(tokenizer, tmp_path / "mine.csv")] == [("q1", "custom"), ("q2", "custom")]
+    assert len(load_prompt_file(tokenizer, tmp_path / "mine.txt")) == 2  # the blank line skipped
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
+    with pytest.raises(SystemExit, match=r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"):
+        load_prompt_file(tokenizer, tmp_path / "bad.jsonl")
+    with pytest.raises(SystemExit, match="give a .jsonl, .json, .csv, .parquet, .txt file"):
+        load_prompt_file(tokenizer, tmp_path / "mine.md")
+    config = run_eval.config_from_args(run_eval.parse_args(
+        ["--target", "tiny", "--draft", "tiny", "--prompts", str(jsonl), "--modes", "greedy", "--methods", "plain",
+         "hf_specdec", "--max-new-tokens", "8", "--out", str(tmp_path / "run")]))
+    assert config.prompts_per_category is None and config.categories == ()  # not the quick preset's one a category
+    summary = run_eval.main(config)
+    records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
+    assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/0", "mine/1", "mine/2"]
+    assert list(summary["greedy"]["hf_specdec"]["categories"]) == ["chat", "code"]
+    assert (tmp_path / "run" / "speedup_by_category.png").exists()
+
+
 def test_a_finished_eval_leaves_no_partial_records(tiny_eval):
     assert not list(tiny_eval.glob("records.partial.*"))
 
@@ -261,6 +298,7 @@ def test_eval_splits_prompts_across_two_cpu_processes_with_accelerate(tmp_path):
     (["--preset", "huge"], "invalid choice"),
     (["--modes", "beam"], "unknown mode"),
     (["--methods", "plain", "hf_second_draft"], "--second-draft PATH and the method hf_second_draft go together"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "/nonexistent/prompts.jsonl"),
 ])
 def test_eval_rejects_bad_input_with_a_clear_error(tmp_path, args, message, capsys):
     # In process (a subprocess spends ~8 s importing torch and transformers): the script's own path,

@@ -104,39 +104,62 @@ TEXT_COLUMNS = ("prompt", "text", "question", "instruction", "turns")  # the fir
 ID_COLUMNS = ("id", "question_id", "task_id")
 
 
-def load_prompt_file(tokenizer, path, categories=None, per_category: int | None = None) -> list[dict]:
-    """One's own prompts, chat-formatted like the presets': a local .jsonl, .json, .csv or .parquet file
-    read through `datasets` (the prompt in a column named one of TEXT_COLUMNS, a list's first item for
+def _label(value) -> str | None:
+    """An id or category cell as text: None for an empty cell; 3 for the 3.0 a CSV column with gaps reads."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def read_prompt_file(path, categories=None, per_category: int | None = None) -> list[tuple[str, str, str]]:
+    """(id, category, text) of one's own prompts: a local .jsonl, .json, .csv or .parquet file read
+    through `datasets` (the prompt in a column named one of TEXT_COLUMNS, a list's first item for
     `turns`; an optional `category` column, else "custom"; an optional id column, else file/row), or a
     .txt file of one prompt a line (blank lines skipped). `categories` keeps those only (None: all);
-    `per_category` takes each category's first that many (None: all)."""
+    `per_category` takes each category's first that many (None: all). Anything unreadable, an empty
+    prompt or a repeated id is named in one line (records are paired with plain decoding by id)."""
     from datasets import load_dataset
 
     path = Path(path)
     builder = PROMPT_FILES.get(path.suffix.lower())
     if builder is None:
         raise SystemExit(f"--prompts {path}: give a {', '.join(PROMPT_FILES)} file")
-    rows = load_dataset(builder, data_files=str(path), split="train")
+    try:
+        rows = load_dataset(builder, data_files=str(path), split="train")
+    except Exception as err:  # an empty or malformed file: datasets' own errors name neither
+        raise SystemExit(f"--prompts {path}: datasets could not read it as {builder} ({type(err).__name__}: "
+                         f"{str(err).splitlines()[0] if str(err) else 'empty or malformed'})") from None
     column = next((c for c in TEXT_COLUMNS if c in rows.column_names), None)
     if column is None:
         raise SystemExit(f"--prompts {path}: no prompt column (one of {', '.join(TEXT_COLUMNS)}); it has {rows.column_names}")
     id_column = next((c for c in ID_COLUMNS if c in rows.column_names), None)
-    prompts, counts = [], {}
-    for i, row in enumerate(rows):
+    out, counts, seen = [], {}, {}
+    for i, row in enumerate(rows, start=1):
         text = row[column][0] if isinstance(row[column], list) and row[column] else row[column]
         if builder == "text" and not (text or "").strip():
             continue
         if not isinstance(text, str) or not text.strip():
             raise SystemExit(f"--prompts {path}: row {i} has no prompt text in column {column!r}")
-        category = str(row.get("category") or "custom")
+        category = _label(row.get("category")) or "custom"
+        prompt_id = (_label(row[id_column]) if id_column else None) or f"{path.stem}/{i}"
+        if prompt_id in seen:
+            raise SystemExit(f"--prompts {path}: rows {seen[prompt_id]} and {i} share the id {prompt_id!r}; ids must be "
+                             "unique (each prompt is paired with its own plain decoding by id)")
+        seen[prompt_id] = i
         if (categories and category not in categories) or counts.get(category, 0) == per_category:
             continue
         counts[category] = counts.get(category, 0) + 1
-        prompt_id = str(row[id_column]) if id_column else f"{path.stem}/{i}"
-        prompts.append(dict(id=prompt_id, category=category, input_ids=_chat_ids(tokenizer, text)))
-    if not prompts:
-        raise SystemExit(f"--prompts {path}: no prompts" + (f" in categories {list(categories)}" if categories else ""))
-    return prompts
+        out.append((prompt_id, category, text))
+    if not out:
+        found = sorted({_label(c) or "custom" for c in rows["category"]}) if "category" in rows.column_names else ["custom"]
+        raise SystemExit(f"--prompts {path}: no prompts" + (f" in categories {list(categories)} (it has {found})"
+                                                             if categories else ""))
+    return out
+
+
+def load_prompt_file(tokenizer, path, categories=None, per_category: int | None = None) -> list[dict]:
+    """`read_prompt_file`'s prompts, chat-formatted like the presets'."""
+    return [dict(id=i, category=c, input_ids=_chat_ids(tokenizer, t)) for i, c, t in read_prompt_file(path, categories, per_category)]
 
 
 def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: bool = False, draft_bits: int = 8):

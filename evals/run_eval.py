@@ -33,6 +33,7 @@ sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     CATEGORIES, MODES, SPLITS, ForwardTimer, check_categories, geomean_of_medians_interval, median_interval, drafts_by_precision, geometric_mean, load_pair, load_prompt_file, load_prompts,
+    read_prompt_file,
     add_options,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts, with_scored,
     existing_path, positive_int,
@@ -100,11 +101,11 @@ class EvalConfig:
     device_map: str | None = None  # e.g. "auto" for a target too large for one device
     threads: int = 0  # torch threads per process (0: torch's default)
     draft_bits: int = 8  # weight-only quantization of hf_specdec's draft (16: none)
-    split: str = "report"  # prompts of the report split (odd ids), "tuning" (even ids) or "all"
+    split: str | None = "report"  # prompts of the report split (odd ids), "tuning" (even ids), "all"; None: a file's
     cost_table: Path | None = None  # a saved cost table to price work with (None: measure one at the start)
     second_draft: str | None = None  # another draft for the hf_second_draft method (registry name or folder)
     pack: bool = False  # every method on the float32 oneDNN-packed pair (hf_specdec.pack_linears)
-    prompts: Path | None = None  # one's own prompt file (common.load_prompt_file) instead of the presets' sets
+    prompts_file: Path | None = None  # one's own prompts (common.read_prompt_file) instead of the presets' sets
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -117,10 +118,18 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
         prompts_per_category=(args.prompts_per_category if args.prompts or args.prompts_per_category is not None
                               else preset.prompts_per_category),  # one's own file: all of it unless capped
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
-        threads=args.threads, draft_bits=args.draft_bits, split=args.split,
+        threads=args.threads, draft_bits=args.draft_bits, split=_split(args),
         cost_table=Path(args.cost_table) if args.cost_table else None, second_draft=args.second_draft,
-        pack=args.pack, prompts=Path(args.prompts) if args.prompts else None,
+        pack=args.pack, prompts_file=Path(args.prompts) if args.prompts else None,
     )
+
+
+def _split(args: argparse.Namespace) -> str | None:
+    """--split picks from the presets' sets (default report); one's own file is taken as it is."""
+    if args.prompts and args.split is not None:
+        raise SystemExit("--split picks from the presets' prompt sets; a --prompts file is taken as it is (use "
+                         "--categories or --prompts-per-category to take part of it)")
+    return None if args.prompts else (args.split or "report")
 
 
 def check_config(config: EvalConfig) -> None:
@@ -133,9 +142,11 @@ def check_config(config: EvalConfig) -> None:
     bad = set(config.modes) - set(MODES)
     if bad:
         raise SystemExit(f"unknown mode {sorted(bad)}; choose from {', '.join(MODES)}")
-    if config.prompts is None:
+    if config.prompts_file is not None:  # read now: a bad file is named before any model loads
+        read_prompt_file(config.prompts_file, config.categories, config.prompts_per_category)
+    else:
         check_categories(config.categories)
-    if config.split not in SPLITS:
+    if config.prompts_file is None and config.split not in SPLITS:
         raise SystemExit(f"unknown split {config.split!r}; choose from {', '.join(SPLITS)}")
 
 
@@ -422,13 +433,13 @@ def markdown_table(summary) -> str:
         for method, block in methods.items():
             for category, e in block["categories"].items():
                 if "error" in e:
-                    lines.append(f"| {method} | {category} | n/a ({e['error'][:60]}) | | | | | | | |")
+                    lines.append(f"| {method} | {_cell(category)} | n/a ({_cell(e['error'][:60])}) | | | | | | | |")
                     continue
                 modelled = _ci(e.get("median_modelled_speedup"), e.get("modelled_interval"))
                 flag = " !" if e.get("wall_vs_modelled_flag") else ""
                 match = f"{e['mismatches']} ({e['mismatches_beyond_one_bf16_step']})" if "mismatches" in e else "-"
                 lines.append(
-                    f"| {method} | {category} (n={e['prompts']}) | {_ci(e['median_speedup'], e.get('speedup_interval'))} | "
+                    f"| {method} | {_cell(category)} (n={e['prompts']}) | {_ci(e['median_speedup'], e.get('speedup_interval'))} | "
                     f"{modelled}{flag} | {e['tokens_per_target_forward']:.2f} | {_fmt(e.get('median_time_ratio'), 'x')} | "
                     f"{_fmt(e.get('acceptance_rate'))} | {_fmt(e.get('token_acceptance'))} | "
                     f"{_fmt(e.get('geometric_tokens_per_round'))} | {match} |"
@@ -455,9 +466,14 @@ def _tree_table(summary) -> list[str]:
                 if not trees:
                     continue
                 got = trees["accepted_from"]
-                lines.append(f"| {mode} | {method} | {category} | {trees['rounds']} | {_fmt(trees['mean_nodes'])} | "
+                lines.append(f"| {mode} | {method} | {_cell(category)} | {trees['rounds']} | {_fmt(trees['mean_nodes'])} | "
                              f"{_fmt(trees['mean_path'])} | {got['draft']} / {got['ngram']} / {got['draft+ngram']} |")
     return lines + [""]
+
+
+def _cell(text: str) -> str:
+    """Text as one markdown table cell (a category of one's own may hold | or a newline)."""
+    return " ".join(str(text).replace("|", "\\|").split())
 
 
 def _ci(value, interval) -> str:
@@ -526,7 +542,8 @@ def _plot_acceptance_by_position(plt, records, summary, out: Path) -> None:
         ax.set_ylabel("accepted / reached")
         ax.set_ylim(0, 1.05)
         ax.set_title(f"hf_specdec, {mode}")
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a mode this run did not measure stays an empty panel
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "acceptance_by_position.png", dpi=120)
     plt.close(fig)
@@ -599,8 +616,8 @@ def main(config: EvalConfig) -> dict | None:
     if config.second_draft is not None:
         second, _ = load_second_draft(config.second_draft, target, tokenizer)
         drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
-    if config.prompts is not None:
-        prompts = load_prompt_file(tokenizer, config.prompts, config.categories, config.prompts_per_category)
+    if config.prompts_file is not None:
+        prompts = load_prompt_file(tokenizer, config.prompts_file, config.categories, config.prompts_per_category)
     else:
         prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
     if not prompts:
@@ -712,7 +729,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     add_options(parser, "threads")  # per process
     parser.add_argument("--from-records", type=existing_path, default=None,
                         help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl)")
-    parser.add_argument("--split", choices=SPLITS, default="report",
+    parser.add_argument("--split", choices=SPLITS, default=None,
                         help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")
     add_options(parser, "cost_table")  # instead of measuring one: hf_specdec's decisions then repeat exactly
     return parser.parse_args(argv)

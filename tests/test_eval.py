@@ -219,38 +219,52 @@ def test_a_stopped_eval_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
 
 def test_an_eval_on_ones_own_prompt_file(tmp_path):
     """--prompts FILE: one's own prompts (jsonl, csv, txt, through datasets) in place of the presets' sets,
-    all of them unless capped, with their own categories in the records, the summary and the plots."""
+    all of them unless capped, with their own categories in the records, the summary and the plots; a
+    bad file is named in one line before any model loads."""
     sys.path.insert(0, str(ROOT / "evals"))
     import run_eval
-    from common import load_prompt_file
+    from common import load_prompt_file, read_prompt_file
     from tiny import tiny_tokenizer
 
-    tokenizer = tiny_tokenizer()
-    rows = [{"prompt": "Name three colours.", "category": "chat"}, {"prompt": "def add(a, b):", "category": "code"},
+    rows = [{"prompt": "Name three colours.", "category": "chat"}, {"prompt": "def add(a, b):", "category": "code|py"},
             {"prompt": "Say hi.", "category": "chat"}]
     jsonl = tmp_path / "mine.jsonl"
     jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (tmp_path / "mine.csv").write_text("id,question\nq1,Name three colours.\nq2,Say hi.\n")
+    got = load_prompt_file(tiny_tokenizer(), jsonl)
+    assert [(p["id"], p["category"]) for p in got] == [("mine/1", "chat"), ("mine/2", "code|py"), ("mine/3", "chat")]
+    assert all(p["input_ids"] for p in got)
+    assert [c for _, c, _ in read_prompt_file(jsonl, per_category=1)] == ["chat", "code|py"]
+    assert [i for i, _, _ in read_prompt_file(jsonl, categories=("code|py",))] == ["mine/2"]
+    # a CSV column with an empty cell reads as floats: 3.0 is the id 3, category 0 is kept
+    (tmp_path / "mine.csv").write_text('id,question,category\n1,"Name, three colours.",0\n,Say hi.,\n3,again,0\n')
+    assert read_prompt_file(tmp_path / "mine.csv") == [("1", "0", "Name, three colours."), ("mine/2", "custom", "Say hi."),
+                                                       ("3", "0", "again")]
     (tmp_path / "mine.txt").write_text("Name three colours.\n\nSay hi.\n")
-    got = load_prompt_file(tokenizer, jsonl)
-    assert [(p["id"], p["category"]) for p in got] == [("mine/0", "chat"), ("mine/1", "code"), ("mine/2", "chat")]
-    assert [p["category"] for p in load_prompt_file(tokenizer, jsonl, per_category=1)] == ["chat", "code"]
-    assert [p["id"] for p in load_prompt_file(tokenizer, jsonl, categories=("code",))] == ["mine/1"]
-    assert [(p["id"], p["category"]) for p in load_prompt_file(tokenizer, tmp_path / "mine.csv")] == [("q1", "custom"), ("q2", "custom")]
-    assert len(load_prompt_file(tokenizer, tmp_path / "mine.txt")) == 2  # the blank line skipped
-    (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(SystemExit, match=r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"):
-        load_prompt_file(tokenizer, tmp_path / "bad.jsonl")
-    with pytest.raises(SystemExit, match="give a .jsonl, .json, .csv, .parquet, .txt file"):
-        load_prompt_file(tokenizer, tmp_path / "mine.md")
+    assert len(read_prompt_file(tmp_path / "mine.txt")) == 2  # the blank line skipped
+    bad = {"cols.jsonl": (json.dumps({"body": "x"}) + "\n", r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"),
+           "empty.jsonl": ("", "datasets could not read it as json"),
+           "broken.jsonl": ("{not json\n", "datasets could not read it as json"),
+           "twice.jsonl": ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', "rows 1 and 2 share the id 'x'"),
+           "mine.md": ("x", "give a .jsonl, .json, .csv, .parquet, .txt file")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            read_prompt_file(tmp_path / name)
+    with pytest.raises(SystemExit, match=r"no prompts in categories \['poetry'\] \(it has \['chat', 'code\|py'\]\)"):
+        read_prompt_file(jsonl, categories=("poetry",))
+    with pytest.raises(SystemExit, match="--split picks from the presets' prompt sets"):
+        run_eval.config_from_args(run_eval.parse_args(["--prompts", str(jsonl), "--split", "all"]))
     config = run_eval.config_from_args(run_eval.parse_args(
         ["--target", "tiny", "--draft", "tiny", "--prompts", str(jsonl), "--modes", "greedy", "--methods", "plain",
          "hf_specdec", "--max-new-tokens", "8", "--out", str(tmp_path / "run")]))
     assert config.prompts_per_category is None and config.categories == ()  # not the quick preset's one a category
     summary = run_eval.main(config)
     records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/0", "mine/1", "mine/2"]
-    assert list(summary["greedy"]["hf_specdec"]["categories"]) == ["chat", "code"]
+    assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/1", "mine/2", "mine/3"]
+    assert list(summary["greedy"]["hf_specdec"]["categories"]) == ["chat", "code|py"]
+    settings = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
+    assert settings["prompts_file"] == str(jsonl) and settings["prompts"] == 3 and settings["split"] is None
+    assert "| hf_specdec | code\\|py (n=1) |" in (tmp_path / "run" / "summary.md").read_text()
     assert (tmp_path / "run" / "speedup_by_category.png").exists()
 
 

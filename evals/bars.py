@@ -117,7 +117,7 @@ def _fmt(value: float | None, suffix: str = "") -> str:
 
 
 def _row(cells: list[str]) -> str:
-    return "| " + " | ".join(cells) + " |"
+    return "| " + " | ".join(" ".join(str(c).replace("|", "\\|").split()) for c in cells) + " |"  # a category may hold |
 
 
 if __name__ == "__main__":

@@ -139,7 +139,8 @@ def read_prompt_file(path, categories=None, per_category: int | None = None) -> 
         if builder == "text" and not (text or "").strip():
             continue
         if not isinstance(text, str) or not text.strip():
-            raise SystemExit(f"--prompts {path}: row {i} has no prompt text in column {column!r}")
+            what = "no prompt text" if text is None or isinstance(text, str) else f"a {type(text).__name__}, not text,"
+            raise SystemExit(f"--prompts {path}: row {i} has {what} in column {column!r}")
         category = _label(row.get("category")) or "custom"
         prompt_id = (_label(row[id_column]) if id_column else None) or f"{path.stem}/{i}"
         if prompt_id in seen:

@@ -5,6 +5,7 @@ lookup decoding and hf_specdec, on Spec-Bench (six tasks) and HumanEval, greedy 
     accelerate launch --multi_gpu --num_processes 2 evals/run_eval.py ...   # prompts split across
                                                                   # processes (CPU-only: torchrun + gloo)
     python evals/run_eval.py --target tiny --draft tiny --preset quick --out runs/tiny   # offline check
+    python evals/run_eval.py --prompts my_prompts.jsonl --preset standard   # one's own prompts (docs/evaluation.md)
 
 For every prompt, in one process, the methods run interleaved (plain first, then the others) with
 the same max_new_tokens; speedup = method tokens/s over plain tokens/s for that prompt
@@ -106,6 +107,12 @@ class EvalConfig:
     second_draft: str | None = None  # another draft for the hf_second_draft method (registry name or folder)
     pack: bool = False  # every method on the float32 oneDNN-packed pair (hf_specdec.pack_linears)
     prompts_file: Path | None = None  # one's own prompts (common.read_prompt_file) instead of the presets' sets
+
+    def __post_init__(self) -> None:
+        if self.prompts_file is not None:  # a file is taken as it is: the presets' categories and split do not apply
+            if self.categories == CATEGORIES:
+                object.__setattr__(self, "categories", ())
+            object.__setattr__(self, "split", None)
 
 
 def config_from_args(args: argparse.Namespace) -> EvalConfig:
@@ -679,7 +686,8 @@ def main(config: EvalConfig) -> dict | None:
         for r in records:
             f.write(json.dumps(r) + "\n")
     partial.unlink()
-    write_summary(out, records, summary, settings, f"{config.preset}, {len(prompts)} prompts, {config.max_new_tokens} new tokens")
+    source = config.prompts_file.name if config.prompts_file is not None else config.preset
+    write_summary(out, records, summary, settings, f"{source}, {len(prompts)} prompts, {config.max_new_tokens} new tokens")
     print(f"wrote {out}/records.jsonl, summary.json, summary.md and plots")
     return summary
 

@@ -174,10 +174,15 @@ class Distiller:
             out = self.draft.generate(ids, attention_mask=torch.ones_like(ids), generation_config=sampling)
         return out, ids.shape[1]
 
+    def check_prompt(self, prompt: list[int]) -> None:
+        """A prompt's kept tokens (its last `context`) must be ids both models score."""
+        kept = prompt[-self.config.context:]
+        if max(kept, default=0) >= self.shared:
+            raise ValueError(f"prompt id {max(kept)} is past the {self.shared} vocabulary rows both models score")
+
     def step(self, prompt: list[int]) -> float:
         """One on-policy step on `prompt`; returns the divergence before the update."""
-        if max(prompt, default=0) >= self.shared:
-            raise ValueError(f"prompt id {max(prompt)} is past the {self.shared} vocabulary rows both models score")
+        self.check_prompt(prompt)
         ids, start = self.sample(prompt)
         keep = ids.shape[1] - start + 1  # the logits predicting each continuation token
         with torch.no_grad():
@@ -199,6 +204,8 @@ class Distiller:
         run ended on code and lowered acceptance on every other category (run distill, docs/evaluation.md#older-runs)."""
         from tqdm.auto import tqdm
 
+        for prompt in prompts:  # before any step: a bad prompt stops nothing part-way
+            self.check_prompt(prompt)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
 
         bar = tqdm(total=self.config.steps, initial=self.step_count, disable=not progress, desc="distil")

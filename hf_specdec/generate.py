@@ -270,6 +270,9 @@ def _drafter(
     model of ours proposes over the target's `vocab` ids (its own may differ by padding rows)."""
     if (inner := inner_drafter(candidate_generator)) is not None:
         inner.vocab = vocab
+    if candidate_generator is not None and isinstance(config.draft_window, int):
+        logger.warning("draft_window=%d shapes the draft built from assistant=; a candidate_generator drafts as it was "
+                       "made (DraftModelDrafter(draft, ..., window=%d) for a window)", config.draft_window, config.draft_window)
     if isinstance(candidate_generator, Drafter):
         return candidate_generator, False
     if candidate_generator is not None:
@@ -279,9 +282,9 @@ def _drafter(
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):
         window = config.window_for(bool(generation_config.do_sample))
     elif isinstance(config.draft_window, int):
-        logger.warning("draft_window=%d is for one row with a full-attention draft; this call has %d rows%s: the "
-                       "draft encodes whole prompts", config.draft_window, input_ids.shape[0],
-                       "" if input_ids.shape[0] > 1 else " and a draft with sliding-window layers")
+        logger.warning("draft_window=%d is for one row with a full-attention draft; %s: the draft encodes whole "
+                       "prompts", config.draft_window, f"this call has {input_ids.shape[0]} rows"
+                       if input_ids.shape[0] > 1 else "this draft has sliding-window layers")
     return DraftModelDrafter(assistant, logits_processor, bool(generation_config.do_sample), generator, window=window,
                              vocab=vocab), False
 

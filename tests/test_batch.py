@@ -140,14 +140,16 @@ def test_batched_greedy_with_processors_and_compaction_matches_plain():
     assert compactions, "the run should compact at least once"
 
 
-@pytest.mark.parametrize("scheme", ["lefthash", "selfhash"])
-def test_batched_greedy_with_a_watermark_matches_plain(scheme):
-    """A watermark (seeded from each row's last tokens) in a left-padded batch: it was refused."""
+@pytest.mark.parametrize("scheme, width", [("lefthash", 1), ("selfhash", 1), ("lefthash", 4), ("selfhash", 4)])
+def test_batched_greedy_with_a_watermark_matches_plain(scheme, width):
+    """A watermark (seeded from each row's last tokens) in a left-padded batch: it was refused. A
+    context of 4 tokens reads into the left padding of a short row, as plain's padded rows show it."""
     from transformers import WatermarkingConfig
 
     target = tiny_model("llama", seed=35)
     ids, mask = left_padded(PROMPTS)
-    kwargs = dict(do_sample=False, max_new_tokens=30, watermarking_config=WatermarkingConfig(bias=2.5, seeding_scheme=scheme))
+    kwargs = dict(do_sample=False, max_new_tokens=30, watermarking_config=WatermarkingConfig(bias=2.5, seeding_scheme=scheme,
+                                                                                         context_width=width))
     assert torch.equal(spec(target, perturbed(target, noise=0.3), ids, mask, **kwargs),
                        target.generate(ids, attention_mask=mask, **kwargs))
 

@@ -65,8 +65,13 @@ def test_a_draft_with_padding_rows_is_distilled_on_the_rows_both_score(tmp_path,
     with torch.no_grad():
         after = divergence(shared(target), shared(distiller.draft), "fkl").item()
     assert all(loss == loss for loss in losses) and after < 0.95 * before
-    with pytest.raises(ValueError, match=f"prompt id {min(200, draft_vocab)} is past the {min(200, draft_vocab)} vocabulary rows"):
-        distiller.step([1, min(200, draft_vocab)])
+    bad = [1, min(200, draft_vocab)]
+    with pytest.raises(ValueError, match=f"prompt id {bad[1]} is past the {bad[1]} vocabulary rows both models score"):
+        distiller.step(bad)
+    config = DistillConfig(steps=25, lr=3e-3, new_tokens=12, train_layers=(0, 1, 2), checkpoint_every=100)
+    with pytest.raises(ValueError, match="past the"):  # named before any step of the run
+        Distiller(target, draft, config, tmp_path / "again").train(PROMPTS + [bad], progress=False)
+    assert not (tmp_path / "again" / "checkpoint.pt").exists()
 
 
 def test_untrained_layers_stay_and_the_divergence_is_zero_for_the_target_itself():

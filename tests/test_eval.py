@@ -258,6 +258,8 @@ def test_an_eval_on_ones_own_prompt_file(tmp_path):
         ["--target", "tiny", "--draft", "tiny", "--prompts", str(jsonl), "--modes", "greedy", "--methods", "plain",
          "hf_specdec", "--max-new-tokens", "8", "--out", str(tmp_path / "run")]))
     assert config.prompts_per_category is None and config.categories == ()  # not the quick preset's one a category
+    direct = run_eval.EvalConfig(prompts_file=jsonl)  # built in code: the presets' categories and split do not apply
+    assert direct.categories == () and direct.split is None
     summary = run_eval.main(config)
     records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
     assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/1", "mine/2", "mine/3"]

@@ -301,7 +301,9 @@ def test_a_draft_window_that_cannot_apply_is_warned_about(caplog):
                         assistant=draft, draft_window=8)
         assert "draft_window=8 is for one row with a full-attention draft; this call has 2 rows" in caplog.text
         hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=3, draft_window=8)
-    assert "continuous batching encodes whole prompts" in caplog.text
+        assert "continuous batching encodes whole prompts" in caplog.text
+        spec(target, None, max_new_tokens=3, draft_window=8, candidate_generator=hf_specdec.DraftModelDrafter(draft, None, False))
+    assert "a candidate_generator drafts as it was made (DraftModelDrafter(draft, ..., window=8)" in caplog.text
 
 
 def test_vocabularies_beyond_padding_are_refused():

@@ -65,14 +65,17 @@ class Costs:
             values = tuple(self.verify)
             for value in values:
                 _check_number("verify (each width's price)", value)
-            if not values or not values[0] > 0:
-                raise ValueError(f"verify needs a price per width, the first (one token) > 0, got {self.verify!r}")
+            if not values or not all(v > 0 for v in values):
+                raise ValueError(f"verify needs a price per width, each > 0 (a forward is never free), got {self.verify!r}")
             object.__setattr__(self, "verify", tuple(float(v) for v in values))
         else:
             _check_number("verify", self.verify)
         if self.draft_prefill is not None:
             _check_number("draft_prefill", self.draft_prefill)
         _check_number("position", self.position)
+        if self.position >= self.verify_price(1):
+            raise ValueError(f"position (scoring one position, part of a one-token step's price) must be below that "
+                             f"step's price {self.verify_price(1):g}, got {self.position!r}")
         for name in ("draft_step", "draft_prefill", "position") + (() if isinstance(self.verify, tuple) else ("verify",)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))  # a numpy float as the float it is
@@ -87,7 +90,8 @@ class Costs:
             price = curve[width - 1]
         else:
             price = curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
-        return price - (self.position * unscored(width, reach) if reach is not None else 0.0)
+        unpaid = self.position * unscored(width, reach) if reach is not None else 0.0
+        return max(price - unpaid, 1e-3)  # a large `position` against a flat curve: never free
 
     def prefill_per_token(self) -> float:
         """The draft's encoding of one prompt token, in target steps."""

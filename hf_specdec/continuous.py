@@ -200,9 +200,12 @@ class Requests:
             except Exception as error:  # the source failed: the stream stops, what runs finishes
                 self._stop(error, "the prompt source")
                 break
-            if item is None:  # nothing waiting yet
+            if item is None and self.total is None:  # a live source: nothing waiting yet
                 break
             try:
+                if item is None:  # a list's item: it keeps its index, as its error
+                    raise ValueError(f"prompt {self.admitted} is None: None means 'nothing waiting yet' only from an "
+                                     "iterator; in a list every item is a prompt")
                 prompt, budget = self._prompt(item)
             except ValueError as error:
                 self._deliver(StreamResult(self.admitted, _as_ids(item), torch.empty(0, dtype=torch.long),

@@ -290,6 +290,9 @@ def quantize_weights(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     if untie:
         _untie_config(model)
+    if not todo:  # e.g. GPT-2, whose layers are transformers' Conv1D: asked for int weights, it stays float
+        logger.warning("quantize_weights found no torch.nn.Linear layer to quantize in %s (kept: %s); the model is "
+                       "unchanged", type(model).__name__, sorted(skipped) or "none")
     logger.info(
         "quantized %d Linear layers to int%d%s; kept %s",
         len(todo), bits, f" (group_size={group_size})" if bits == 4 else "", sorted(skipped) or "none",

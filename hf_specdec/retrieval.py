@@ -211,7 +211,9 @@ class RetrievalCache:
         """One finished sequence (an output, or a document of a corpus), after the last `self.context`
         tokens of `context` (the prompt it answered)."""
         with self._lock:
-            self._add([*self._tail(context), *self._ids(tokens)])
+            sequence = [*self._tail(context), *self._ids(tokens)]  # every id checked before anything is kept
+            self._remember(sequence)
+            self._add(sequence)
 
     def open(self, key: object, context: Sequence[int] = ()) -> None:
         """Start a sequence that grows round by round (a row being generated), under `key`; other rows
@@ -219,15 +221,19 @@ class RetrievalCache:
         with self._lock:
             if key in self._open.tokens:
                 raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
+            tail = self._tail(context)  # checked first: a refused context leaves nothing open
+            self._remember(tail)
             self._open.tokens[key] = []
-            for token in self._tail(context):
+            for token in tail:
                 self._open.push(key, token)
 
     def extend(self, key: object, tokens: Sequence[int]) -> None:
         """Append tokens to the open sequence `key`."""
         with self._lock:
             self._check_open(key)
-            for token in self._ids(tokens):
+            ids = self._ids(tokens)
+            self._remember(ids)
+            for token in ids:
                 self._open.push(key, token)
 
     def close(self, key: object) -> None:
@@ -311,7 +317,9 @@ class RetrievalCache:
                 raise ValueError("sequences must be a list of lists of token ids")
             with cache._lock:
                 for tokens in sequences:
-                    cache._add(cache._ids(tokens))
+                    ids = cache._ids(tokens)
+                    cache._remember(ids)
+                    cache._add(ids)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err
         cache.acceptance.pooled, cache.acceptance.per_size, cache.acceptance.seen = pooled, per_size, seen
@@ -335,10 +343,12 @@ class RetrievalCache:
             raise ValueError(f"RetrievalCache: no sequence is open under {key!r} (open it first)")
 
     def _ids(self, tokens: Iterable[int]) -> list[int]:
-        """Checked ids (`_token_id`), where every token enters the store; the largest is remembered."""
-        ids = [_token_id(t) for t in tokens]
+        """Checked ids (`_token_id`), where every token enters the store."""
+        return [_token_id(t) for t in tokens]
+
+    def _remember(self, ids: list[int]) -> None:
+        """The largest id held, once the ids are sure to be kept."""
         self.max_token_id = max([self.max_token_id, *ids])
-        return ids
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""

@@ -75,6 +75,7 @@ def speculative_sampling(
                         by one recovered or bonus token, then PAD_TOKEN.
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
+    _check_lengths(draft_tokens, lengths, values=True)
     _check_values(draft_tokens, target_probs, draft_probs, lengths)
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
     accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms) & _proposed(draft_tokens, lengths)  # [batch, k]
@@ -108,6 +109,7 @@ def lazy_speculative_sampling(
     at the positions computed, [batch, n, vocab] with num_accepted + 1 <= n <= k + 1 for every row.
     """
     batch, k = draft_tokens.shape
+    _check_lengths(draft_tokens, lengths)
     if not reads_are_free(draft_tokens.device):  # an accelerator: p everywhere at once, no read to decide
         first_chunk = k + 1
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
@@ -147,6 +149,7 @@ def greedy_verification(
     Returns (num_accepted [batch], emitted_tokens [batch, k + 1]) exactly like `speculative_sampling`.
     """
     _check_shapes(draft_tokens, target_scores)
+    _check_lengths(draft_tokens, lengths)
     target_argmax = target_scores.argmax(dim=-1)  # [batch, k + 1]
     agree = (draft_tokens == target_argmax[:, :-1]) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
@@ -257,6 +260,21 @@ def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
         raise ValueError(
             f"draft distribution must be [batch={batch}, k={k}, vocab={target.shape[-1]}], got {tuple(draft.shape)}"
         )
+
+
+def _check_lengths(draft_tokens: torch.Tensor, lengths: torch.Tensor | None, values: bool = False) -> None:
+    """`lengths` as the rules take it: an integer tensor [batch]; with `values` (the public eager rule, which
+    may read the device) each in 0..k: a length past k would make the bonus position a padding one."""
+    if lengths is None:
+        return
+    batch, k = draft_tokens.shape
+    if not isinstance(lengths, torch.Tensor) or lengths.dtype.is_floating_point or lengths.dtype == torch.bool \
+            or tuple(lengths.shape) != (batch,):
+        raise ValueError(f"lengths must be an integer tensor of shape [batch={batch}], got "
+                         f"{tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__}"
+                         + (f" of {lengths.dtype}" if isinstance(lengths, torch.Tensor) else ""))
+    if values and batch and bool(((lengths < 0) | (lengths > k)).any()):
+        raise ValueError(f"lengths must be in 0..k={k} (the drafts each row proposed), got {lengths.tolist()}")
 
 
 def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,

@@ -50,12 +50,12 @@ def test_a_request_with_bad_ids_fails_alone(models):
     target, draft = models
     good = [[1, 2, 3], [1, 4], [5, 6, 7, 8], [1, 9, 9]]
     items = [good[0], [1, 999], good[1], [3, -1], [], [[1, 2], [3, 4]], "hello", [1.5, 2.0], good[2],
-             {"input_ids": [1, 2], "max_new_tokens": 0}, good[3]]
+             {"input_ids": [1, 2], "max_new_tokens": 0}, good[3], None]  # None in a list: an item (it took no index)
     results = hf_specdec.generate_continuous(target, items, assistant=draft, max_batch_size=2, max_new_tokens=6,
                                              do_sample=False, **PINNED)
     assert [r.index for r in results] == list(range(len(items)))
     bad = {1: "outside the vocabulary", 3: "outside the vocabulary", 4: "non-empty", 5: "1-D", 6: "text",
-           7: "integer token ids", 9: "max_new_tokens"}
+           7: "integer token ids", 9: "max_new_tokens", 11: "prompt 11 is None"}
     for result in results:
         if result.index in bad:
             assert not result.ok and bad[result.index] in str(result.error), (result.index, result.error)

@@ -703,6 +703,9 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
                             max_new_tokens=3)
     # a source that proposes for one row: refused for a batch, and for a stream that runs several (it failed part-way)
     batch = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    for bad, name in ((dict(max_ngram=2.0), "max_ngram"), (dict(max_tokens=True), "max_tokens")):  # a TypeError later
+        with pytest.raises(ValueError, match=f"{name} must be an integer"):
+            hf_specdec.NgramDrafter(**bad)
     with pytest.raises(ValueError, match=r"NgramDrafter\) proposes for 1 row at a time; got a batch of 2 rows"):
         target.generate(batch, custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
                         max_new_tokens=3, attention_mask=torch.ones_like(batch))

@@ -83,7 +83,9 @@ def test_pinned_costs_price_every_width_and_read_no_clock():
     assert dip.verify_price(3) == 0.9
     for bad in [dict(draft_step=-1.0), dict(draft_step=0.1, verify=()), dict(draft_step=0.1, verify=(0.0, 1.0)),
                 dict(draft_step=0.1, verify=(1.0, float("nan"))), dict(draft_step=0.1, verify="fast"),
-                dict(draft_step=True), dict(draft_step=0.1, position=-0.1), dict(draft_step=0.1, position=None)]:
+                dict(draft_step=True), dict(draft_step=0.1, position=-0.1), dict(draft_step=0.1, position=None),
+                dict(draft_step=0.2, verify=(1.0, 0.0)),  # a free width: generate() divided by zero
+                dict(draft_step=0.2, position=5.0)]:  # scoring a position dearer than a whole step: negative prices
         with pytest.raises(ValueError):
             Costs(**bad)
     with pytest.raises(ValueError, match="costs must be"):

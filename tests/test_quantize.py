@@ -44,6 +44,13 @@ def tied_model(arch: str = "qwen2"):
     return model
 
 
+def test_a_model_without_linear_layers_is_named_as_unchanged(caplog):
+    """Before: GPT-2 (transformers' Conv1D layers, a tied head) asked for int8 stayed float, said at info level."""
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        quantize_weights(tiny_model("gpt2"), 8)
+    assert "found no torch.nn.Linear layer to quantize in GPT2LMHeadModel" in caplog.text
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_every_linear_is_replaced(arch, bits):

@@ -146,6 +146,18 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
         RetrievalCache(**kwargs)
     with pytest.raises(ValueError, match="token ids must be integers >= 0"):
         RetrievalCache().add([1, -5])
+    # a refused add or open keeps nothing: before, the context's ids counted against every later target's
+    # vocabulary, and the key stayed half-open
+    cache = RetrievalCache()
+    with pytest.raises(ValueError, match="got -1"):
+        cache.add([-1], context=[1000])
+    assert cache.max_token_id == -1 and len(cache) == 0
+    with pytest.raises(ValueError, match="got -2"):
+        cache.open("k", [5, -2])
+    cache.open("k", [5])
+    with pytest.raises(ValueError, match="got -3"):
+        cache.extend("k", [900, -3])
+    assert cache.max_token_id == 5
 
 
 def test_threads_share_one_cache():

@@ -91,6 +91,17 @@ def test_greedy_accepts_while_argmaxes_agree():
 
 
 def test_bad_shapes_are_named():
+    # Before: lengths past k made the bonus token come from a padding position (always one token), and a
+    # list or another batch's lengths met raw TypeError / IndexError; greedy broadcast a wrong batch.
+    p = torch.zeros(1, 3, 4)
+    p[0, :2, 1], p[0, 2, 0], p[0, 2, 3] = 1, 0.5, 0.5
+    with pytest.raises(ValueError, match=r"lengths must be in 0..k=2 \(the drafts each row proposed\), got \[5\]"):
+        speculative_sampling(torch.tensor([[1, 1]]), None, p, lengths=torch.tensor([5]))
+    for bad in ([1], torch.tensor([1, 1]), torch.tensor([1.0])):
+        with pytest.raises(ValueError, match=r"lengths must be an integer tensor of shape \[batch=1\]"):
+            speculative_sampling(torch.tensor([[1, 1]]), None, p, lengths=bad)
+    with pytest.raises(ValueError, match=r"lengths must be an integer tensor of shape \[batch=1\]"):
+        greedy_verification(torch.tensor([[1, 1]]), p, lengths=torch.tensor([1, 1, 1]))
     with pytest.raises(ValueError, match=r"target distribution must be \[batch=1, k\+1=3"):
         speculative_sampling(torch.tensor([[0, 1]]), torch.rand(1, 2, 4), torch.rand(1, 2, 4))
     with pytest.raises(ValueError, match="draft distribution"):

@@ -10,6 +10,7 @@ renormalised (`hf_specdec.verify`, `draft_probs=None`; greedy acceptance is unch
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -65,6 +66,11 @@ class NgramDrafter(Drafter):
         max_tokens: int = MAX_TOKENS,
         match_cap: int = MATCH_CAP,
     ):
+        for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("max_tokens", max_tokens),
+                            ("match_cap", match_cap)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"{name} must be an integer, got {value!r}")
+        max_ngram, min_ngram, max_tokens, match_cap = int(max_ngram), int(min_ngram), int(max_tokens), int(match_cap)
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError(f"need 1 <= min_ngram <= max_ngram, got min_ngram={min_ngram}, max_ngram={max_ngram}")
         if max_tokens < 1:

@@ -290,11 +290,13 @@ def quantize_weights(
         setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
     if untie:
         _untie_config(model)
-    if not todo:  # e.g. GPT-2, whose layers are transformers' Conv1D: asked for int weights, it stays float
-        logger.warning("quantize_weights found no torch.nn.Linear layer to quantize in %s (kept: %s); the model is "
-                       "unchanged", type(model).__name__, sorted(skipped) or "none")
-    logger.info(
-        "quantized %d Linear layers to int%d%s; kept %s",
-        len(todo), bits, f" (group_size={group_size})" if bits == 4 else "", sorted(skipped) or "none",
-    )
+    _report(model, len(todo), sorted(skipped), bits, group_size)
     return model
+
+
+def _report(model: nn.Module, replaced: int, kept: list[str], bits: int, group_size: int) -> None:
+    if not replaced:  # e.g. GPT-2, whose layers are transformers' Conv1D: asked for int weights, it stays float
+        logger.warning("quantize_weights found no torch.nn.Linear layer to quantize in %s (kept: %s); the model is "
+                       "unchanged", type(model).__name__, kept or "none")
+    logger.info("quantized %d Linear layers to int%d%s; kept %s", replaced, bits,
+                f" (group_size={group_size})" if bits == 4 else "", kept or "none")

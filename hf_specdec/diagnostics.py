@@ -20,12 +20,23 @@ from dataclasses import dataclass
 import torch
 
 
+def _one_row(values, name: str) -> torch.Tensor:
+    """`values` as a 1-D tensor: a list, or one row of a [1, n] batch (`out.sequences`, an `out.scores` entry)."""
+    values = torch.as_tensor(values)
+    if values.dim() == 2 and values.shape[0] == 1:
+        values = values[0]
+    if values.dim() != 1:
+        raise ValueError(f"{name} must be one row: shape (n,) or (1, n), got {tuple(values.shape)}")
+    return values
+
+
 def first_divergence(reference: torch.Tensor, other: torch.Tensor) -> int | None:
     """Index of the first generated token where two outputs differ, or None when they are equal.
 
     reference: (n,) token ids (plain greedy's generated tokens); other: (m,) token ids. When one is a
     proper prefix of the other, they differ at min(n, m): one stopped where the other went on.
     """
+    reference, other = _one_row(reference, "reference"), _one_row(other, "other")
     n = min(len(reference), len(other))
     differs = (reference[:n] != other[:n]).nonzero()
     if len(differs):
@@ -39,7 +50,12 @@ def top_two_margin(scores: torch.Tensor) -> float:
     scores: (vocab,) the scores greedy took its argmax over (logits, after any processors). Computed
     in float32 so that a bf16 tie reads as exactly 0.
     """
+    scores = _one_row(scores, "scores")
+    if scores.numel() < 2:
+        raise ValueError(f"scores need at least two entries for a margin, got {scores.numel()}")
     top2 = scores.float().topk(2).values
+    if bool(torch.isneginf(top2[1])):  # nothing or one token left: -inf - -inf would be NaN
+        return 0.0 if bool(torch.isneginf(top2[0])) else math.inf
     return float(top2[0] - top2[1])
 
 
@@ -84,8 +100,8 @@ def greedy_divergence(
 ) -> Divergence | None:
     """Divergence of `other` from `reference`, or None when they are equal.
 
-    reference: (n,) plain greedy's generated token ids; other: (m,) another method's; reference_scores:
-    n tensors of shape (vocab,), plain greedy's scores at each generated token (`output_scores=True`,
+    reference: (n,) plain greedy's generated token ids; other: (m,) another method's (or (1, n) rows of
+    `out.sequences`, or lists); reference_scores: n tensors of shape (vocab,) or (1, vocab), plain greedy's scores at each generated token (`output_scores=True`,
     one row of each entry). The margin is None where the scores stop short of the divergence (the
     other output ran past plain's last token).
     """
@@ -94,5 +110,5 @@ def greedy_divergence(
         return None
     if position >= len(reference_scores):
         return Divergence(position, None)
-    top = float(reference_scores[position].float().max())
-    return Divergence(position, top_two_margin(reference_scores[position]), top)
+    scores = _one_row(reference_scores[position], "reference_scores entries")
+    return Divergence(position, top_two_margin(scores), float(scores.float().max()))

@@ -253,6 +253,8 @@ def quantize_weights(
     layers of the model, for int4 shapes the kernel cannot take, and if this torch build lacks the kernels.
     """
     _check_arguments(model, bits)
+    if not isinstance(include_lm_head, bool):
+        raise ValueError(f"include_lm_head must be True or False, got {include_lm_head!r}")
     if bits == 16:
         return model
     skip = (skip,) if isinstance(skip, str) else tuple(skip)  # one name, not its letters

@@ -190,10 +190,12 @@ class RetrievalCache:
                  max_occurrences: int = 64):
         for name, value in (("max_tokens", max_tokens), ("index_ngram", index_ngram), ("max_match", max_match),
                             ("max_occurrences", max_occurrences)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"RetrievalCache: {name} must be a positive integer, got {value!r}")
-        if isinstance(context, bool) or not isinstance(context, int) or context < 0:
+        if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 0:
             raise ValueError(f"RetrievalCache: context must be an integer >= 0, got {context!r}")
+        max_tokens, context, index_ngram = int(max_tokens), int(context), int(index_ngram)  # numpy's as ints
+        max_match, max_occurrences = int(max_match), int(max_occurrences)
         self.max_tokens, self.context, self.index_ngram = max_tokens, context, index_ngram
         self.max_match, self.max_occurrences = max(max_match, index_ngram), max_occurrences
         self._lock = threading.RLock()
@@ -260,8 +262,11 @@ class RetrievalCache:
         earlier occurrence that continued continued the same way."""
         query = [_token_id(t) for t in list(query)[-self.max_match :]]  # ids, never rounded floats
         most, cap = self.max_occurrences, self.max_match
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, numbers.Integral):
-            raise ValueError(f"RetrievalCache.lookup: max_tokens must be an integer, got {max_tokens!r}")
+        for name, value in (("max_tokens", max_tokens), ("max_branches", max_branches), ("min_match", min_match)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"RetrievalCache.lookup: {name} must be an integer, got {value!r}")
+        if max_branches < 1 or min_match < 1:
+            raise ValueError(f"RetrievalCache.lookup: max_branches and min_match must be >= 1, got {max_branches}, {min_match}")
         if max_tokens < 1:
             return [], 0, []
         with self._lock:
@@ -344,6 +349,8 @@ class RetrievalCache:
 
     def _ids(self, tokens: Iterable[int]) -> list[int]:
         """Checked ids (`_token_id`), where every token enters the store."""
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise ValueError(f"RetrievalCache: tokens must be a sequence of token ids, got {type(tokens).__name__}")
         return [_token_id(t) for t in tokens]
 
     def _remember(self, ids: list[int]) -> None:

@@ -57,8 +57,9 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A draft that runs the first `num_layers` decoder layers of `model`, then its final norm and
     output head, sharing every weight with `model` (which is left unchanged)."""
-    if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"early_exit_draft takes a transformers causal LM, got {type(model).__name__}")
+    if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
+        raise ValueError(f"early_exit_draft takes a transformers causal LM (with its output head: load it with "
+                         f"AutoModelForCausalLM), got {type(model).__name__}")
     base, name, layers = decoder_layers(model)
     num_layers = as_int(num_layers)  # a numpy or torch integer (a sweep's value)
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or not 1 <= num_layers <= len(layers):

@@ -76,6 +76,8 @@ def speculative_sampling(
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
     _check_lengths(draft_tokens, lengths, values=True)
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
     _check_values(draft_tokens, target_probs, draft_probs, lengths)
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
     accepted = _accepts(draft_tokens, draft_probs, target_probs, uniforms) & _proposed(draft_tokens, lengths)  # [batch, k]
@@ -250,7 +252,7 @@ def _assemble(
 
 
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None = None) -> None:
-    if draft_tokens.dim() != 2 or draft_tokens.is_floating_point() or draft_tokens.is_complex():
+    if draft_tokens.dim() != 2 or draft_tokens.is_floating_point() or draft_tokens.is_complex() or draft_tokens.dtype == torch.bool:
         raise ValueError(f"draft_tokens must be [batch, k] integer ids, got shape {tuple(draft_tokens.shape)} "
                          f"of {draft_tokens.dtype}")
     batch, k = draft_tokens.shape
@@ -294,6 +296,11 @@ def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
         if bool((rows < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
             raise ValueError(f"{name} must be probabilities (non-negative, summing to 1 over the vocabulary; "
                              f"softmax of logits), got sums from {float(sums.min()):.3g} to {float(sums.max()):.3g}")
+    if draft is not None and bool(proposed.any()):  # a token q cannot have drawn: its ratio p/q is not the rule's
+        drawn = draft.gather(-1, draft_tokens.clamp(0, vocab - 1)[..., None])[..., 0]  # [batch, k]
+        if bool(((drawn <= 0) & proposed).any()):
+            raise ValueError("draft_tokens hold a token its draft_probs give probability 0: each token must be drawn "
+                             "from the q given for its position")
 
 
 # ---------------------------------------------------------------- trees of candidates

@@ -113,8 +113,9 @@ def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():
         # the whole model: a one-token step through the copies stays close to the packed model's
         ids = IDS[:1, :1]
         assert rel_err(model(ids).logits, cpu.without_decode_copies(model)(ids).logits) < 0.05
-    with pytest.raises(ValueError, match="decode_bits must be None or 8"):
-        pack_linears(tiny_model("llama"), decode_bits=4)
+    for bad in (4, 8.0, True):  # 8.0 was taken as 8
+        with pytest.raises(ValueError, match="decode_bits must be None or 8"):
+            pack_linears(tiny_model("llama"), decode_bits=bad)
 
 
 @pytest.mark.parametrize("trees", [True, False])

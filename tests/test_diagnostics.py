@@ -52,3 +52,20 @@ def test_bf16_step_is_the_spacing_of_bf16_numbers():
         x = torch.tensor(value, dtype=torch.bfloat16)
         step = float(torch.nextafter(x.abs(), torch.tensor(1e4, dtype=torch.bfloat16)) - x.abs())
         assert bf16_step(value) == step
+
+
+def test_transformers_shapes_and_lists_are_taken_and_bad_shapes_named():
+    """Before: out.sequences rows ([1, n]), out.scores entries ([1, vocab]) and lists met raw ValueError,
+    IndexError or AttributeError; all -inf scores gave a NaN margin."""
+    import pytest
+
+    assert first_divergence(torch.tensor([[5, 6, 7]]), [5, 6, 9]) == 2
+    assert top_two_margin(torch.tensor([[1.0, 3.0, 2.5]])) == 0.5
+    scores = [torch.tensor([[0.0, 2.0, 1.0]])] * 3
+    got = greedy_divergence(torch.tensor([[1, 1, 1]]), torch.tensor([[1, 0, 1]]), scores)
+    assert got.position == 1 and got.margin == 1.0
+    assert top_two_margin(torch.full((4,), float("-inf"))) == 0.0  # nothing to choose between: a tie
+    with pytest.raises(ValueError, match=r"reference must be one row: shape \(n,\) or \(1, n\), got \(2, 3\)"):
+        first_divergence(torch.zeros(2, 3), torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="at least two entries"):
+        top_two_margin(torch.tensor([1.0]))

@@ -147,6 +147,10 @@ def test_bad_models_and_skips_are_named():
             quantize_weights(bad, 8)
         with pytest.raises(ValueError, match="takes a transformers causal LM"):
             hf_specdec.early_exit_draft(bad, 1)
+    with pytest.raises(ValueError, match="takes a transformers causal LM .* got LlamaModel"):  # an AttributeError
+        hf_specdec.early_exit_draft(tiny_model().model, 1)
+    with pytest.raises(ValueError, match="include_lm_head must be True or False"):  # "yes" was taken
+        quantize_weights(tiny_model(), 8, include_lm_head="yes")
     model = quantize_weights(tiny_model(), 8, skip="model.layers.0.mlp.down_proj")
     assert type(model.get_submodule("model.layers.0.mlp.down_proj")) is torch.nn.Linear
     with pytest.raises(ValueError, match="already has WeightOnlyLinear layers"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
+import numpy as np
 import pytest
 import torch
 
@@ -158,6 +159,12 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
     with pytest.raises(ValueError, match="got -3"):
         cache.extend("k", [900, -3])
     assert cache.max_token_id == 5
+    assert RetrievalCache(max_tokens=np.int64(100)).max_tokens == 100  # numpy ints, as SpeculativeConfig takes them
+    with pytest.raises(ValueError, match="tokens must be a sequence of token ids, got int"):  # a raw TypeError
+        cache.add(5)
+    for bad in (dict(max_branches=0), dict(max_branches=-1), dict(min_match="a")):  # -1 dropped a branch silently
+        with pytest.raises(ValueError, match="RetrievalCache.lookup: (max_branches|min_match)"):
+            cache.lookup([5], 2, **bad)
 
 
 def test_threads_share_one_cache():

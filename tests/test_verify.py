@@ -61,8 +61,8 @@ def test_residual_guard_samples_from_p_when_p_equals_q_up_to_rounding():
     p = torch.tensor([[[0.7, 0.3, 0.0]] * 2])
     q = torch.tensor([[[0.7, 0.3, 0.0]]])
     gen = torch.Generator().manual_seed(0)
-    for _ in range(100):
-        n, emitted = speculative_sampling(torch.tensor([[2]]), q, p, gen)  # p(x) = 0 -> always rejected
+    for _ in range(100):  # the lazy rule (the loop's): the eager one refuses a token its q could not have drawn
+        n, emitted, _ = lazy_speculative_sampling(torch.tensor([[2]]), q, lambda a, b: p[:, a:b], gen)  # p(x) = 0
         assert n.item() == 0
         assert emitted[0, 0].item() in (0, 1)
 
@@ -102,6 +102,12 @@ def test_bad_shapes_are_named():
             speculative_sampling(torch.tensor([[1, 1]]), None, p, lengths=bad)
     with pytest.raises(ValueError, match=r"lengths must be an integer tensor of shape \[batch=1\]"):
         greedy_verification(torch.tensor([[1, 1]]), p, lengths=torch.tensor([1, 1, 1]))
+    q = torch.tensor([[[0.0, 1.0, 0.0, 0.0]] * 2])  # bool ids, a token q gives 0, a generator of another kind
+    for args, kwargs, message in (((torch.tensor([[True, True]]), None, p), {}, "integer ids"),
+                                  ((torch.tensor([[1, 2]]), q, p), {}, "a token its draft_probs give probability 0"),
+                                  ((torch.tensor([[1, 1]]), q, p), dict(generator=3), "generator must be a torch.Generator")):
+        with pytest.raises(ValueError, match=message):
+            speculative_sampling(*args, **kwargs)
     with pytest.raises(ValueError, match=r"target distribution must be \[batch=1, k\+1=3"):
         speculative_sampling(torch.tensor([[0, 1]]), torch.rand(1, 2, 4), torch.rand(1, 2, 4))
     with pytest.raises(ValueError, match="draft distribution"):

@@ -679,8 +679,8 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
     cache.add([2, 7, 3, 100, 200] * 3)  # ids of another tokenizer
     with pytest.raises(ValueError, match="retrieval_cache holds token id 200, outside the target's vocabulary of 64"):
         spec(target, target, max_new_tokens=3, retrieval_cache=cache, ngram=True, adaptive=True)
-    for bad in ([1.5, 2.0], "text"):
-        with pytest.raises(ValueError, match="token ids must be integers"):
+    for bad, message in (([1.5, 2.0], "token ids must be integers"), ("text", "tokens must be a sequence of token ids, got str")):
+        with pytest.raises(ValueError, match=message):
             hf_specdec.RetrievalCache().add(bad)
     torch.manual_seed(0)
     config = Qwen3NextConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

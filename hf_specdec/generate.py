@@ -33,7 +33,8 @@ from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests, learned_positions
 from .planner import CostEstimates, Planner
 from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
-from .proposals.draft_model import context_length, inner_drafter
+from .proposals.checked import CheckedDrafter
+from .proposals.draft_model import DraftCandidateGenerator, context_length, inner_drafter
 from .retrieval import Retrieval, RetrievalCache
 from .rounds import admit, commit, emit, observe, propose, retire, verify
 from .sampling import RowProcessors
@@ -273,10 +274,12 @@ def _drafter(
     if candidate_generator is not None and isinstance(config.draft_window, int):
         logger.warning("draft_window=%d shapes the draft built from assistant=; a candidate_generator drafts as it was "
                        "made (DraftModelDrafter(draft, ..., window=%d) for a window)", config.draft_window, config.draft_window)
-    if isinstance(candidate_generator, Drafter):
-        return candidate_generator, False
+    if isinstance(candidate_generator, Drafter):  # ours as they are; one's own (subclasses too) checked
+        if type(candidate_generator) in (DraftModelDrafter, NgramDrafter, DraftCandidateGenerator):
+            return candidate_generator, False
+        return CheckedDrafter(candidate_generator, vocab), False
     if candidate_generator is not None:
-        return CandidateGeneratorDrafter(candidate_generator), True
+        return CheckedDrafter(CandidateGeneratorDrafter(candidate_generator), vocab), True
     # The window needs full-attention layers (zero columns hidden by the mask) and a single row.
     window = None
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):

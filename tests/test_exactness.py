@@ -553,10 +553,13 @@ class ClampedDraft(DraftModelDrafter):
         return token.clamp_max(self.vocab - 1), q[:, : self.vocab], rest
 
 
-def test_broken_clamped_wide_draft_is_detected(padded_pair):
+def test_broken_clamped_wide_draft_is_detected(padded_pair, monkeypatch):
     # Power: at 3000 rows the joint chi2 was 380 on 69 dof (a noncentrality of ~0.1 a sample), p ~ 1e-44.
     target, _, wide, law = padded_pair
     broken = ClampedDraft(wide, processors(), do_sample=True)
+    with pytest.raises(ValueError, match="draft_probs that are not probabilities"):  # its cut q sums below 1: named
+        sample_rows(target, 4, PROMPT.tolist(), rows=8, **spec_kwargs(None, candidate_generator=broken))
+    monkeypatch.setattr(hf_specdec.proposals.checked.CheckedDrafter, "check", lambda self, proposal, request: proposal)
     (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=broken))
     assert law_pvalue(law, samples, "broken: a wider draft's ids clamped") < ALPHA
 

@@ -107,9 +107,14 @@ class FullTargetQ(DraftModelDrafter):
         return dataclasses.replace(proposal, draft_probs=torch.softmax(torch.stack(full, dim=1), -1))
 
 
-def test_broken_self_draft_with_the_full_targets_q_is_detected(self_pair):
+def test_broken_self_draft_with_the_full_targets_q_is_detected(self_pair, monkeypatch):
     target, draft, law = self_pair
     broken = FullTargetQ(draft, target)
+    # A source of one's own is checked each round: a token its q gives 0 is named at once ...
+    with pytest.raises(ValueError, match="a token its draft_probs give probability 0"):
+        sample_sequences(target, 31, samples=SAMPLES // 6, **spec_kwargs(None, candidate_generator=broken))
+    # ... and the chi-square, run without the check, rejects the law it would have given
+    monkeypatch.setattr(hf_specdec.proposals.checked.CheckedDrafter, "check", lambda self, proposal, request: proposal)
     # At 500 samples: chi2 = 241 on 29 dof (the 0.999 quantile is ~58), p = 3e-35
     samples = sample_sequences(target, 31, samples=SAMPLES // 6, **spec_kwargs(None, candidate_generator=broken))
     statistic, dof, pvalue = chi_square_against(law, samples)

@@ -22,7 +22,17 @@ class CandidateGeneratorDrafter(Drafter):
 
     def propose(self, request: DraftRequest) -> Proposal:
         width = request.ids.shape[1]
-        candidate_ids, candidate_logits = self.candidate_generator.get_candidates(request.ids)
+        answer = self.candidate_generator.get_candidates(request.ids)
+        if not isinstance(answer, tuple) or len(answer) != 2 or not isinstance(answer[0], torch.Tensor) or answer[0].dim() != 2:
+            raise ValueError(f"{self.source}.get_candidates must return (candidate_ids [1, length + k], candidate_logits "
+                             f"[1, k, vocab] or None), got {type(answer).__name__}")
+        candidate_ids, candidate_logits = answer
+        new = candidate_ids.shape[1] - width  # the candidates after input_ids
+        if candidate_logits is not None and (not isinstance(candidate_logits, torch.Tensor) or candidate_logits.dim() != 3
+                                             or candidate_logits.shape[1] != max(0, new)):
+            raise ValueError(f"{self.source}.get_candidates returned candidate_logits of shape "
+                             f"{tuple(getattr(candidate_logits, 'shape', ()))} for {max(0, new)} new candidates: they must "
+                             "be [1, k, vocab], one row of scores per new candidate (not the whole sequence's)")
         # A generator may propose more than fits before max_length: keep the first max_tokens.
         tokens = candidate_ids[:, width : width + request.max_tokens]  # [1, k]
         k = tokens.shape[1]

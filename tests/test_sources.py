@@ -1,0 +1,103 @@
+"""Sources of one's own (`candidate_generator=`): a `Drafter` subclass or a transformers `CandidateGenerator`
+is checked each round (`hf_specdec.proposals.checked`). Before, the loop verified whatever it was given:
+an unnormalized q, a token q gives 0 or a host copy longer than the tokens changed the sampled law
+without a word, and other mistakes met raw errors deep in torch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.generation.candidate_generator import CandidateGenerator
+
+import hf_specdec
+from conftest import tiny_model
+from hf_specdec.proposals import Drafter, Proposal
+
+PROMPT = torch.tensor([[1, 5, 9, 13, 5, 9, 22, 7]])
+
+
+class Fn(Drafter):
+    """A source whose proposal is `fn(request)`."""
+
+    def __init__(self, fn, room=None):
+        self.fn, self._room = fn, room
+
+    def propose(self, request):
+        return self.fn(request)
+
+    def room(self, longest):
+        return self._room
+
+
+def one_hot(token: int, scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.nn.functional.one_hot(torch.tensor([[token]]), 64).float()
+
+
+BAD = {
+    "an unnormalized q": (lambda r: Proposal(torch.tensor([[58]]), one_hot(58, 0.3), "x"), "not probabilities"),
+    "logits as q": (lambda r: Proposal(torch.tensor([[58]]), torch.randn(1, 1, 64), "x"), "not probabilities"),
+    "a token q gives 0": (lambda r: Proposal(torch.tensor([[58]]), one_hot(53), "x"), "a token its draft_probs give probability 0"),
+    "a host longer than the tokens": (lambda r: Proposal(torch.tensor([[0]]), None, "x", host=[[0, 5, 5]]), "host copy"),
+    "an id past the vocabulary": (lambda r: Proposal(torch.tensor([[64]]), None, "x"), r"outside the target's vocabulary \[0, 64\)"),
+    "a negative id": (lambda r: Proposal(torch.tensor([[-1]]), None, "x"), "outside the target's vocabulary"),
+    "float ids": (lambda r: Proposal(torch.tensor([[5.0]]), None, "x"), "integer tensor"),
+    "two rows for one": (lambda r: Proposal(torch.tensor([[5], [6]]), None, "x"), r"integer tensor \[rows=1, k\]"),
+    "more than asked for": (lambda r: Proposal(torch.tensor([[5] * (r.max_tokens + 1)]), None, "x"), "more than the"),
+    "nothing": (lambda r: None, "a NoneType, not an hf_specdec Proposal"),
+    "a q of another width": (lambda r: Proposal(torch.tensor([[5]]), torch.ones(1, 1, 60) / 60, "x"), r"vocab=64\]"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_a_bad_proposal_is_named(case):
+    target = tiny_model("llama", vocab=64, seed=3)
+    fn, message = BAD[case]
+    with pytest.raises(ValueError, match=rf"the candidate_generator \(Fn\) proposed .*{message}"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=Fn(fn),
+                        max_new_tokens=4, do_sample=True, adaptive=False)
+
+
+def test_bad_answers_to_room_are_named():
+    target = tiny_model("llama", vocab=64, seed=3)
+    source = Fn(lambda r: Proposal(torch.tensor([[5]]), None, "x"), room=2.5)
+    with pytest.raises(ValueError, match=r"\(Fn\).room\(\) must return an integer >= 0, got 2.5"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=source, max_new_tokens=4)
+
+
+class WholeSequenceLogits(CandidateGenerator):
+    """A transformers generator that returns logits for the whole sequence, not the new candidates."""
+
+    def get_candidates(self, input_ids):
+        ids = torch.cat([input_ids, torch.tensor([[5, 6]])], dim=1)
+        return ids, torch.randn(1, ids.shape[1], 64)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+def test_a_transformers_generator_with_the_whole_sequences_logits_is_named():
+    """Before: the prompt positions' logits were taken as the candidates' q."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    with pytest.raises(ValueError, match=r"candidate_logits of shape \(1, 10, 64\) for 2 new candidates"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=WholeSequenceLogits(),
+                        max_new_tokens=4, do_sample=True)
+
+
+class Echo(Drafter):
+    """A well-behaved source of one's own: the row's last token twice, int32, as a point mass, with
+    confidences but no host copy (which greedy tree rounds read: a TypeError before)."""
+
+    def propose(self, request):
+        last = request.ids[:, -1:].to(torch.int32)
+        k = min(2, request.max_tokens)
+        return Proposal(last.repeat(1, k), None, "echo", confidences=[[0.9] * k for _ in range(last.shape[0])])
+
+
+@pytest.mark.parametrize("sample", [False, True])
+def test_a_good_source_of_ones_own_stays_exact(sample):
+    target = tiny_model("llama", vocab=64, seed=3)
+    kwargs = dict(max_new_tokens=20, do_sample=sample, generator=torch.Generator().manual_seed(0) if sample else None)
+    out = target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=Echo(), **kwargs)
+    if not sample:
+        assert out.tolist() == target.generate(PROMPT, max_new_tokens=20, do_sample=False).tolist()
+    assert out.shape == (1, PROMPT.shape[1] + 20)

@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 
 import torch
 from torch import nn
@@ -144,7 +145,7 @@ def pack_linears(model: nn.Module, decode_bits: int | None = None) -> nn.Module:
     copies = {id(m.decode) for m in model.modules() if isinstance(m, PackedLinear)}  # a packed model's own int8 copies
     if any(isinstance(m, WeightOnlyLinear) and id(m) not in copies for m in model.modules()):
         raise ValueError("this model has weight-only quantized layers (quantize_weights): pack the model as loaded")
-    if decode_bits is not None and (isinstance(decode_bits, bool) or not isinstance(decode_bits, int) or decode_bits != 8):
+    if decode_bits is not None and (isinstance(decode_bits, bool) or not isinstance(decode_bits, numbers.Integral) or decode_bits != 8):
         raise ValueError(f"decode_bits must be None or 8 (an int8 copy for one-token steps), got {decode_bits!r}")
     if decode_bits and _kernel_problem(8):
         raise ValueError(f"decode_bits=8: {_kernel_problem(8)}")

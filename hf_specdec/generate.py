@@ -32,7 +32,7 @@ from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbac
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests, learned_positions
 from .planner import CostEstimates, Planner
-from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramDrafter
+from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, NgramCandidateGenerator, NgramDrafter
 from .proposals.checked import CheckedDrafter
 from .proposals.draft_model import DraftCandidateGenerator, context_length, inner_drafter
 from .retrieval import Retrieval, RetrievalCache
@@ -274,12 +274,14 @@ def _drafter(
     if candidate_generator is not None and isinstance(config.draft_window, int):
         logger.warning("draft_window=%d shapes the draft built from assistant=; a candidate_generator drafts as it was "
                        "made (DraftModelDrafter(draft, ..., window=%d) for a window)", config.draft_window, config.draft_window)
+    sample = bool(generation_config.do_sample)
     if isinstance(candidate_generator, Drafter):  # ours as they are; one's own (subclasses too) checked
         if type(candidate_generator) in (DraftModelDrafter, NgramDrafter, DraftCandidateGenerator):
             return candidate_generator, False
-        return CheckedDrafter(candidate_generator, vocab), False
+        return CheckedDrafter(candidate_generator, vocab, sample), False
     if candidate_generator is not None:
-        return CheckedDrafter(CandidateGeneratorDrafter(candidate_generator), vocab), True
+        wrapped = CandidateGeneratorDrafter(candidate_generator)
+        return (wrapped if type(candidate_generator) is NgramCandidateGenerator else CheckedDrafter(wrapped, vocab, sample)), True
     # The window needs full-attention layers (zero columns hidden by the mask) and a single row.
     window = None
     if input_ids.shape[0] == 1 and can_gather([new_cache(assistant)]):

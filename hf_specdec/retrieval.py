@@ -214,7 +214,6 @@ class RetrievalCache:
         tokens of `context` (the prompt it answered)."""
         with self._lock:
             sequence = [*self._tail(context), *self._ids(tokens)]  # every id checked before anything is kept
-            self._remember(sequence)
             self._add(sequence)
 
     def open(self, key: object, context: Sequence[int] = ()) -> None:
@@ -322,9 +321,7 @@ class RetrievalCache:
                 raise ValueError("sequences must be a list of lists of token ids")
             with cache._lock:
                 for tokens in sequences:
-                    ids = cache._ids(tokens)
-                    cache._remember(ids)
-                    cache._add(ids)
+                    cache._add(cache._ids(tokens))
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err
         cache.acceptance.pooled, cache.acceptance.per_size, cache.acceptance.seen = pooled, per_size, seen
@@ -366,6 +363,7 @@ class RetrievalCache:
         if not tokens:
             return
         tokens = tokens[-max(1, int(0.9 * self.max_tokens) - 1) :]  # one sequence longer than the cache: its tail
+        self._remember(tokens)  # what is kept (a sequence's cut head holds no id a target must embed)
         self._finished.add(tokens)
         self._lengths.append(len(tokens) + 1)
         if len(self._finished.tokens) > self.max_tokens:

@@ -160,6 +160,9 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
         cache.extend("k", [900, -3])
     assert cache.max_token_id == 5
     assert RetrievalCache(max_tokens=np.int64(100)).max_tokens == 100  # numpy ints, as SpeculativeConfig takes them
+    short = RetrievalCache(max_tokens=10)
+    short.add([200] + [1] * 20)  # longer than the cache: only its tail is kept, and only that counts
+    assert short.max_token_id == 1
     with pytest.raises(ValueError, match="tokens must be a sequence of token ids, got int"):  # a raw TypeError
         cache.add(5)
     for bad in (dict(max_branches=0), dict(max_branches=-1), dict(min_match="a")):  # -1 dropped a branch silently

@@ -101,3 +101,50 @@ def test_a_good_source_of_ones_own_stays_exact(sample):
     if not sample:
         assert out.tolist() == target.generate(PROMPT, max_new_tokens=20, do_sample=False).tolist()
     assert out.shape == (1, PROMPT.shape[1] + 20)
+
+
+class WideLogits(CandidateGenerator):
+    """A transformers generator whose draft has 8 padding rows more than the target (logits 72 wide)."""
+
+    def get_candidates(self, input_ids):
+        return torch.cat([input_ids, input_ids[:, -1:].repeat(1, 2)], dim=1), torch.randn(1, 2, 72)
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+def test_what_greedy_verification_does_not_read_is_not_checked():
+    """Greedy reads no q: a generator's wider logits stay usable there (they are named when sampling)."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, candidate_generator=WideLogits(), max_new_tokens=6)
+    assert target.generate(PROMPT, do_sample=False, **kwargs).tolist() == \
+        target.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
+    with pytest.raises(ValueError, match=r"draft_probs \(1, 2, 72\): they must be q"):
+        target.generate(PROMPT, do_sample=True, **kwargs)
+
+
+def test_trees_runners_up_and_padding_from_a_source():
+    """A tree from a source was verified greedily even when sampling (trees are the loop's own); runner-up
+    ids past the vocabulary met the embedding; padding past a row's length (-1) is fed as 0, never kept."""
+    from hf_specdec.proposals.base import Tree
+
+    target = tiny_model("llama", vocab=64, seed=3)
+    tree = Fn(lambda r: Proposal(torch.tensor([[5, 6]]), None, "x", tree=Tree([-1, -1], 0, [True, True])))
+    runner = Fn(lambda r: Proposal(torch.tensor([[5]]), None, "x", host=[[5]], confidences=[[0.5]], runners_up=[[(99, 0.1)]]))
+    padded = Fn(lambda r: Proposal(torch.tensor([[5, -1]])[:, : r.max_tokens], None, "x", host=[[5][: r.max_tokens]]))
+    run = lambda source, **kw: target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate,  # noqa: E731
+                                               candidate_generator=source, max_new_tokens=6, adaptive=False, **kw)
+    with pytest.raises(ValueError, match="a tree: a source proposes chains"):
+        run(tree, do_sample=True)
+    with pytest.raises(ValueError, match=r"runners_up outside the vocabulary \[0, 64\)"):
+        run(runner, do_sample=False)
+    assert run(padded, do_sample=False).tolist() == target.generate(PROMPT, max_new_tokens=6, do_sample=False).tolist()
+
+
+def test_the_librarys_own_sources_are_not_checked(monkeypatch):
+    """No read a round is added to them: the check is never called."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    monkeypatch.setattr(hf_specdec.proposals.checked.CheckedDrafter, "check", lambda *a: pytest.fail("checked"))
+    for source in (hf_specdec.NgramDrafter(), hf_specdec.NgramCandidateGenerator(),
+                   hf_specdec.DraftModelDrafter(tiny_model("llama", vocab=64, seed=4), None, False)):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=source, max_new_tokens=4)

@@ -22,10 +22,11 @@ from .base import Drafter, DraftRequest, Proposal
 
 
 class CheckedDrafter(Drafter):
-    """`inner`, its answers checked (see the module docstring); `vocab`: the target's vocabulary size."""
+    """`inner`, its answers checked (see the module docstring); `vocab`: the target's vocabulary size;
+    `do_sample`: whether q is used (greedy verification reads no q, so none is kept or checked)."""
 
-    def __init__(self, inner: Drafter, vocab: int):
-        self.inner, self.vocab = inner, vocab
+    def __init__(self, inner: Drafter, vocab: int, do_sample: bool = True):
+        self.inner, self.vocab, self.do_sample = inner, vocab, do_sample
         self.source, self.max_rows = inner.source, inner.max_rows
         self.name = type(getattr(inner, "candidate_generator", inner)).__name__
 
@@ -74,37 +75,52 @@ class CheckedDrafter(Drafter):
             self._fail(f"tokens {shape}: they must be an integer tensor [rows={rows}, k]")
         if tokens.shape[1] > request.max_tokens:
             self._fail(f"{tokens.shape[1]} tokens a row, more than the {request.max_tokens} asked for (request.max_tokens)")
+        if proposal.tree is not None:  # trees are built in the loop (greedy), never taken from a source
+            self._fail("a tree: a source proposes chains (one per row); the loop builds trees itself")
         tokens = tokens.to(device=request.ids.device, dtype=torch.long)
-        read = tokens.tolist()  # the one read
+        read = tokens.tolist()  # the one read (with q, one more: `_check_q`)
         host = read if proposal.host is None else [list(map(int, row)) for row in proposal.host]
         if len(host) != rows or any(row != full[: len(row)] for row, full in zip(host, read)):
             self._fail("a host copy that is not each row's first tokens (Proposal.host must match tokens)")
         if any(not 0 <= t < self.vocab for row in host for t in row):
             self._fail(f"token ids outside the target's vocabulary [0, {self.vocab})")
-        for name in ("sources", "confidences", "runners_up"):
-            value = getattr(proposal, name)
+        if any(len(row) < len(full) for row, full in zip(host, read)):  # padding past a row's length: fed, never kept
+            lengths = to_device([len(h) for h in host], tokens.device)
+            tokens = torch.where(torch.arange(tokens.shape[1], device=tokens.device)[None, :] < lengths[:, None], tokens, 0)
+        confidences, runners_up = proposal.confidences, proposal.runners_up
+        for name, value in (("sources", proposal.sources), ("confidences", confidences), ("runners_up", runners_up)):
             if value is not None and (len(value) != rows or (name != "sources" and any(
                     len(v) < len(h) for v, h in zip(value, host)))):
                 self._fail(f"{name} for {len(value)} rows where there are {rows} (and one entry per proposed token)")
-        if proposal.confidences is not None and not all(math.isfinite(c) for row in proposal.confidences for c in row):
-            self._fail("confidences that are not finite numbers")
-        if proposal.draft_probs is not None:
-            self._check_q(proposal.draft_probs, tokens, host)
-        return Proposal(tokens, proposal.draft_probs, proposal.source, host, proposal.sources, proposal.tree,
-                        proposal.forwards, proposal.confidences, proposal.runners_up)
+        if confidences is not None:
+            confidences = [list(c[: len(h)]) for c, h in zip(confidences, host)]
+            if not all(math.isfinite(c) for row in confidences for c in row):
+                self._fail("confidences that are not finite numbers")
+        if runners_up is not None:
+            runners_up = [list(r[: len(h)]) for r, h in zip(runners_up, host)]
+            if not all(0 <= int(t) < self.vocab and math.isfinite(p) for row in runners_up for t, p in row):
+                self._fail(f"runners_up outside the vocabulary [0, {self.vocab}) or with probabilities not finite")
+        q = proposal.draft_probs if self.do_sample else None
+        if q is not None:
+            q = self._check_q(q, tokens, host)
+        return Proposal(tokens, q, proposal.source, host, proposal.sources, None, proposal.forwards, confidences, runners_up)
 
-    def _check_q(self, q: torch.Tensor, tokens: torch.Tensor, host: list[list[int]]) -> None:
+    def _check_q(self, q: torch.Tensor, tokens: torch.Tensor, host: list[list[int]]) -> torch.Tensor:
+        """q on the tokens' device, checked at the proposed positions in one read."""
         rows, k = tokens.shape
         if not isinstance(q, torch.Tensor) or tuple(q.shape) != (rows, k, self.vocab):
             self._fail(f"draft_probs {tuple(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__}: they must "
                        f"be q, [rows={rows}, k={k}, vocab={self.vocab}]")
+        q = q.to(tokens.device)
         lengths = to_device([len(h) for h in host], tokens.device)  # [rows]
-        proposed = torch.arange(k, device=tokens.device)[None, :] < lengths[:, None]
-        used = q.float()[proposed]  # [proposed positions, vocab]
-        drawn = q.float().gather(-1, tokens[..., None])[..., 0][proposed]
-        sums = used.sum(-1)
-        if not bool(torch.isfinite(used).all()) or bool((used < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
+        proposed = torch.arange(k, device=tokens.device)[None, :] < lengths[:, None]  # [rows, k]
+        values = q.float()
+        not_probs = ~torch.isfinite(values).all(-1) | (values < 0).any(-1) | ((values.sum(-1) - 1).abs() > 1e-2)
+        unlikely = values.gather(-1, tokens[..., None])[..., 0] <= 0
+        not_probs, unlikely = torch.stack([(not_probs & proposed).any(), (unlikely & proposed).any()]).tolist()
+        if not_probs:
             self._fail("draft_probs that are not probabilities (non-negative, summing to 1 over the vocabulary: "
                        "softmax of the scores each token was drawn from)")
-        if bool((drawn <= 0).any()):
+        if unlikely:
             self._fail("a token its draft_probs give probability 0 (each token must be drawn from its q)")
+        return q

@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 from transformers.generation.candidate_generator import CandidateGenerator
 
-from ..config import NGRAM_MAX_SIZE, SpeculativeConfig
+from ..config import NGRAM_MAX_SIZE, SpeculativeConfig, as_int
 from ..host import to_device
 from ..stats import NGRAM
 from .base import Drafter, DraftRequest, Proposal
@@ -66,6 +66,7 @@ class NgramDrafter(Drafter):
         max_tokens: int = MAX_TOKENS,
         match_cap: int = MATCH_CAP,
     ):
+        max_ngram, min_ngram, max_tokens, match_cap = map(as_int, (max_ngram, min_ngram, max_tokens, match_cap))  # torch ints
         for name, value in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("max_tokens", max_tokens),
                             ("match_cap", match_cap)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):

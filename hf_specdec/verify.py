@@ -288,19 +288,29 @@ def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch
     if bool((((draft_tokens < 0) | (draft_tokens >= vocab)) & proposed).any()):
         raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {vocab})")
     used = torch.nn.functional.pad(proposed, (1, 0), value=True)  # [batch, k + 1]: p up to the bonus position
-    for name, probs, where in (("target_probs", target, used), ("draft_probs", draft, proposed)):
-        if probs is None or not bool(where.any()):
-            continue
-        rows = probs[where].float()  # [used positions, vocab]
-        sums = rows.sum(-1)
-        if bool((rows < 0).any()) or not bool(((sums - 1).abs() <= 1e-2).all()):
-            raise ValueError(f"{name} must be probabilities (non-negative, summing to 1 over the vocabulary; "
-                             f"softmax of logits), got sums from {float(sums.min()):.3g} to {float(sums.max()):.3g}")
-    if draft is not None and bool(proposed.any()):  # a token q cannot have drawn: its ratio p/q is not the rule's
-        drawn = draft.gather(-1, draft_tokens.clamp(0, vocab - 1)[..., None])[..., 0]  # [batch, k]
-        if bool(((drawn <= 0) & proposed).any()):
+    if bool(probability_flaws(target, used)[0]):
+        raise ValueError("target_probs must be probabilities (non-negative, summing to 1 over the vocabulary; softmax of logits)")
+    if draft is not None:
+        not_probs, unlikely = torch.stack(probability_flaws(draft, proposed, draft_tokens)).tolist()
+        if not_probs:
+            raise ValueError("draft_probs must be probabilities (non-negative, summing to 1 over the vocabulary; softmax "
+                             "of logits)")
+        if unlikely:  # a token q cannot have drawn: its ratio p/q is not the rule's
             raise ValueError("draft_tokens hold a token its draft_probs give probability 0: each token must be drawn "
                              "from the q given for its position")
+
+
+def probability_flaws(probs: torch.Tensor, where: torch.Tensor,
+                      tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """On the device, without a read: whether a row of `probs` [batch, n, vocab] at `where` [batch, n] is not
+    a distribution (not finite, negative, or not summing to 1 within 1e-2), and with `tokens` [batch, n]
+    whether one there gives its token probability 0 (a token it could not have drawn)."""
+    values = probs.float()
+    not_probs = ~torch.isfinite(values).all(-1) | (values < 0).any(-1) | ((values.sum(-1) - 1).abs() > 1e-2)
+    if tokens is None:
+        return (not_probs & where).any(), torch.zeros((), dtype=torch.bool, device=probs.device)
+    unlikely = values.gather(-1, tokens.clamp(0, probs.shape[-1] - 1)[..., None])[..., 0] <= 0
+    return (not_probs & where).any(), (unlikely & where).any()
 
 
 # ---------------------------------------------------------------- trees of candidates

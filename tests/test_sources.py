@@ -93,14 +93,13 @@ class Echo(Drafter):
         return Proposal(last.repeat(1, k), None, "echo", confidences=[[0.9] * k for _ in range(last.shape[0])])
 
 
-@pytest.mark.parametrize("sample", [False, True])
-def test_a_good_source_of_ones_own_stays_exact(sample):
+def test_a_good_source_of_ones_own_stays_exact():
+    """Greedy tree rounds read the host copy the check fills in (a source's law under sampling is the
+    chi-square's business: tests/test_exactness.py runs sources of its own through the same check)."""
     target = tiny_model("llama", vocab=64, seed=3)
-    kwargs = dict(max_new_tokens=20, do_sample=sample, generator=torch.Generator().manual_seed(0) if sample else None)
-    out = target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=Echo(), **kwargs)
-    if not sample:
-        assert out.tolist() == target.generate(PROMPT, max_new_tokens=20, do_sample=False).tolist()
-    assert out.shape == (1, PROMPT.shape[1] + 20)
+    out = target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=Echo(),
+                          max_new_tokens=20, do_sample=False)
+    assert out.tolist() == target.generate(PROMPT, max_new_tokens=20, do_sample=False).tolist()
 
 
 class WideLogits(CandidateGenerator):

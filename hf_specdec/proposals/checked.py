@@ -18,6 +18,7 @@ import numbers
 import torch
 
 from ..host import to_device
+from ..verify import probability_flaws
 from .base import Drafter, DraftRequest, Proposal
 
 
@@ -114,10 +115,7 @@ class CheckedDrafter(Drafter):
         q = q.to(tokens.device)
         lengths = to_device([len(h) for h in host], tokens.device)  # [rows]
         proposed = torch.arange(k, device=tokens.device)[None, :] < lengths[:, None]  # [rows, k]
-        values = q.float()
-        not_probs = ~torch.isfinite(values).all(-1) | (values < 0).any(-1) | ((values.sum(-1) - 1).abs() > 1e-2)
-        unlikely = values.gather(-1, tokens[..., None])[..., 0] <= 0
-        not_probs, unlikely = torch.stack([(not_probs & proposed).any(), (unlikely & proposed).any()]).tolist()
+        not_probs, unlikely = torch.stack(probability_flaws(q, proposed, tokens)).tolist()  # the rule's own check
         if not_probs:
             self._fail("draft_probs that are not probabilities (non-negative, summing to 1 over the vocabulary: "
                        "softmax of the scores each token was drawn from)")

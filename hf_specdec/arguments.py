@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel, StoppingCriteriaList
-from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionCacheLayerMixin
 from transformers.generation.candidate_generator import CandidateGenerator
 from transformers.generation.logits_process import (ExponentialDecayLengthPenalty, ForcedEOSTokenLogitsProcessor,
                                                     MinNewTokensLengthLogitsProcessor, SuppressTokensAtBeginLogitsProcessor)
@@ -216,17 +216,28 @@ def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | Non
                          f"{vocab} tokens: was it filled with another model's tokenizer?")
 
 
+_LAYER_KINDS = {"DummyLayer": "layers without keys and values of their own: shared with another layer's, as in Gemma 3n, "
+                              "or no attention"}
+
+
 def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     """The windows of `model`'s attention (sliding-window cache layers, local attention); a named error for layers the loop cannot roll
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
+    forward = inspect.signature(type(model).forward).parameters
+    if "cache" not in forward and "past_key_values" not in forward:
+        raise UnsupportedCacheError(
+            f"the {who} ({type(model).__name__}) takes no key-value cache (a recurrent state of its own, as RWKV "
+            "keeps): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")
     layers = DynamicCache(config=model.config).layers
-    other = sorted({type(layer).__name__ for layer in layers if not isinstance(layer, (DynamicLayer, DynamicSlidingWindowLayer))})
+    other = sorted({f"{type(layer).__name__} ({_LAYER_KINDS.get(type(layer).__name__, 'linear attention or another recurrent state')})"
+                    for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)
+                    or not isinstance(layer, (DynamicLayer, DynamicSlidingWindowLayer))})
     if other:
         raise UnsupportedCacheError(
-            f"the {who} has cache layers of type {', '.join(other)} (linear attention or another recurrent state): "
-            "hf_specdec rolls rejected tokens back by cutting cache columns, which needs attention layers "
-            "(full or sliding-window). Use plain generate() for this model.")
+            f"the {who} has cache layers of type {', '.join(other)}: hf_specdec rolls rejected tokens back by "
+            "cutting cache columns, which needs attention layers that keep their own keys and values (full or "
+            "sliding-window). Use plain generate() for this model.")
     local = local_window(model.config)  # local attention in full-attention cache layers counts columns too
     return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)] + (
         [] if local is None else [local])

@@ -91,6 +91,9 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
         return why, why
     if kind == "bloom" or getattr(config, "alibi", False) is True:
         return None, "its ALiBi bias is built from a 2-D mask, and a tree forward passes a 4-D one"
+    if not _accepts(type(model), "position_ids"):
+        why = f"{type(model).__name__} takes no position ids: it numbers tokens by their cache columns"
+        return why, why
     return None, None
 
 
@@ -189,8 +192,8 @@ def add_row(
 
 
 @functools.lru_cache(maxsize=None)
-def _accepts_logits_to_keep(model_type: type) -> bool:
-    return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+def _accepts(model_type: type, argument: str) -> bool:
+    return argument in inspect.signature(model_type.forward).parameters
 
 
 def extend(
@@ -205,11 +208,14 @@ def extend(
     new_ids = input_ids[:, past:]  # [batch, seq - past]
     if new_ids.shape[1] < num_logits:
         raise RuntimeError(f"asked for {num_logits} logits but only {new_ids.shape[1]} tokens are new")
-    position_ids = None  # without padding the model numbers the new tokens from the cache length itself
+    position_ids = None  # a model that takes none numbers the new tokens by their cache columns
     if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
-    kwargs = {"logits_to_keep": num_logits} if _accepts_logits_to_keep(type(model)) else {}
+    elif _accepts(type(model), "position_ids"):  # given as generate() gives them: some models (RoBERTa's
+        # family) number from their padding id when given none
+        position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids)
+    kwargs = {"logits_to_keep": num_logits} if _accepts(type(model), "logits_to_keep") else {}
     out = model(
         input_ids=new_ids,
         attention_mask=attention_mask,
@@ -219,6 +225,11 @@ def extend(
         return_dict=True,
         **kwargs,
     )
+    if cache.get_seq_length() != past + new_ids.shape[1]:  # shapes only: no device read
+        raise UnsupportedCacheError(
+            f"{type(model).__name__} holds {cache.get_seq_length()} cached positions after a forward over "
+            f"{new_ids.shape[1]} new tokens on {past}: hf_specdec needs a cache that grows by the tokens given "
+            "(it cuts rejected ones off by position). Use plain generate() for this model.")
     return out.logits[:, -num_logits:]
 
 
@@ -252,7 +263,7 @@ def extend_tree(
         torch.arange(past, past + pending, device=input_ids.device),
         past + pending + to_device(depth, input_ids.device),
     ])[None]
-    kwargs = {"logits_to_keep": n + 1} if _accepts_logits_to_keep(type(model)) else {}
+    kwargs = {"logits_to_keep": n + 1} if _accepts(type(model), "logits_to_keep") else {}
     out = model(
         input_ids=torch.cat([new_ids, tree_tokens], dim=1), attention_mask=mask, position_ids=positions,
         cache=cache, use_cache=True, return_dict=True, **kwargs,

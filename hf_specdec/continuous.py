@@ -123,6 +123,7 @@ class Requests:
         self.failed: dict[int, BaseException] = {}  # rows whose stopping criteria raised
         self.cut: dict[int, tuple[int, BaseException]] = {}  # rows whose budget was cut: (tokens, the error if reached)
         self.admitted = 0  # items read from the source
+        self.decoding = False  # whether the decode loop began (set by it)
         self._bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -154,6 +155,9 @@ class Requests:
             raise ValueError(f"prompt {self.admitted} is not a sequence of token ids: {error}") from None
         if prompt.dim() == 2 and prompt.shape[0] == 1:
             prompt = prompt[0]
+        if prompt.dim() == 0:
+            raise ValueError(f"prompt {self.admitted} is one number ({item!r}), not a sequence of token ids: prompts is "
+                             "an iterable of prompts, so one prompt is passed as [prompt]")
         if prompt.dim() != 1 or prompt.numel() == 0:
             raise ValueError(
                 f"prompt {self.admitted} must be a non-empty sequence of token ids (1-D), got shape {tuple(prompt.shape)}"
@@ -178,8 +182,9 @@ class Requests:
         return prompt, budget
 
     def _unpadded_by_id(self, prompt: torch.Tensor) -> torch.Tensor:
-        """A prompt given without a mask, less the pad ids before and after its tokens: plain generate()
-        infers a mask from pad_token_id (when it is not an EOS id), and its output is the unpadded prompt's."""
+        """A prompt given without a mask, less the pad ids before its tokens (plain generate() infers a mask
+        from pad_token_id when it is not an EOS id) and after them (right padding, which plain generate()
+        decodes past): the output is the unpadded prompt's."""
         kept = _strip(prompt, prompt != self.pad_token_id, self.admitted,
                       f" holds pad_token_id {self.pad_token_id} between its tokens, which plain generate() would mask "
                       "as padding: pass {'input_ids': ..., 'attention_mask': ...} to say which tokens are real")
@@ -376,7 +381,7 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
                 generate_kwargs[name].end()  # a consumer iterating it must not wait
             raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished "
                              "prompt). The streamer has been ended.")
-    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+    if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     if on_result is not None and not callable(on_result):
         raise ValueError(f"on_result must be callable, got {type(on_result).__name__}")
@@ -388,6 +393,10 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
         raise ValueError(f"prompts is a mapping ({type(prompts).__name__}, a tokenizer's output?): pass one prompt per "
                          "item, e.g. [{'input_ids': i, 'attention_mask': m} for i, m in zip(enc['input_ids'], "
                          "enc['attention_mask'])]")
+    if (isinstance(prompts, torch.Tensor) and prompts.dim() < 2) or (
+            isinstance(prompts, Sequence) and len(prompts) and isinstance(prompts[0], numbers.Integral)):
+        raise ValueError("prompts is one sequence of token ids: generate_continuous takes an iterable of prompts (a list "
+                         "of id lists, or a 2-D tensor's rows); to pass one prompt, give [prompt]")
     if "attention_mask" in generate_kwargs:
         raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
                          "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
@@ -396,6 +405,10 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
         if _setting(name, generate_kwargs, model):
             raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
                              f"{name} has no place in it (one generate call per prompt returns scores)")
+    if _setting("max_time", generate_kwargs, model) is not None:
+        raise ValueError("max_time is one generate() call's deadline; a stream admits prompts over time, and every "
+                         "prompt admitted after it passed would be cut at its first token. Bound each prompt with "
+                         "max_new_tokens (or a budget in its mapping), or stop feeding prompts from your iterator")
     if (_setting("num_return_sequences", generate_kwargs, model) or 1) != 1:
         raise ValueError("generate_continuous returns one StreamResult a prompt: for n samples of a prompt, give it n "
                          "times in prompts (rows of one stream retrieve from each other's text)")
@@ -428,7 +441,7 @@ def generate_continuous(
     max_length, max_new_tokens, pad, eos = (_setting(name, generate_kwargs, model) for name in (
         "max_length", "max_new_tokens", "pad_token_id", "eos_token_id"))
     eos = set(torch.as_tensor(eos).flatten().tolist()) if eos is not None else set()
-    requests = Requests(prompts, max_batch_size, model.device, on_result, progress,
+    requests = Requests(prompts, int(max_batch_size), model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0],
                         default_length=max_length is None and max_new_tokens is None,
                         max_positions=context_length(model.config), learned_positions=learned_positions(model),
@@ -446,7 +459,7 @@ def generate_continuous(
                 assistant=assistant, requests=requests, **{**generate_kwargs, **longer},
             )
     except Exception as error:
-        if not requests.results:
+        if not requests.results and not requests.decoding:
             raise  # nothing to save: the call's own error (bad arguments, an unsupported model), as it is
         raise requests.error(error) from error
     finally:

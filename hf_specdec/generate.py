@@ -139,6 +139,8 @@ def _run(state: "DecodeState") -> None:
 def _decode(state: "DecodeState") -> None:
     """Rounds until every row has finished (and, with continuous batching, no prompt is left)."""
     requests = state.requests
+    if requests is not None:
+        requests.decoding = True  # a failure from here on is the stream's (`StreamError`), not the call's
     while True:
         if requests is not None:
             admit(state)
@@ -227,7 +229,7 @@ def _start(
     known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)
     if known is not None and planner.curve.measuring:  # measured by an earlier call: no rounds spent on it
         planner.curve.slope0 = known
-    cache = make_rollbackable(model_kwargs.get("cache") or new_cache(model))
+    cache = make_rollbackable(model_kwargs["cache"] if model_kwargs.get("cache") is not None else new_cache(model))
     unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
     use_lookup = config.ngram and not foreign and planner.adaptive
     holes, tree_problem = column_bound(model)
@@ -307,7 +309,8 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
     if state.generation_config.return_dict_in_generate:
         scores, logits = state.outputs.stacked()
         output = SpeculativeDecoderOnlyOutput(
-            sequences=sequences, scores=scores, logits=logits, cache=cache,
+            sequences=sequences, scores=scores, logits=logits,
+            cache=None if state.generation_config.use_cache is False else cache,
             acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.planner.estimates(),
         )
     if state.streamer is not None:  # last: a failure before it ends the streamer once, in speculative_generate

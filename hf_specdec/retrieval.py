@@ -268,9 +268,10 @@ class RetrievalCache:
             raise ValueError(f"RetrievalCache.lookup: max_branches and min_match must be >= 1, got {max_branches}, {min_match}")
         if max_tokens < 1:
             return [], 0, []
-        with self._lock:
-            for n in range(min(self.index_ngram, len(query)), min_match - 1, -1):
+        with self._lock:  # a match longer than the index's n-grams is found by its last n-gram and measured
+            for n in range(min(self.index_ngram, len(query)), min(min_match, self.index_ngram) - 1, -1):
                 found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
+                found = [f for f in found if f[2] >= min_match]
                 if found:
                     return self._continuations(found, max_tokens, max_branches)
             return [], 0, []
@@ -305,6 +306,8 @@ class RetrievalCache:
         """A cache `save` wrote."""
         try:
             data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise  # as open() raises it: `except FileNotFoundError` starts a new cache
         except (OSError, ValueError) as err:
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
@@ -346,8 +349,10 @@ class RetrievalCache:
 
     def _ids(self, tokens: Iterable[int]) -> list[int]:
         """Checked ids (`_token_id`), where every token enters the store."""
-        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
-            raise ValueError(f"RetrievalCache: tokens must be a sequence of token ids, got {type(tokens).__name__}")
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable) or getattr(tokens, "ndim", 1) != 1:
+            shape = f" of shape {tuple(tokens.shape)}" if hasattr(tokens, "shape") else ""
+            raise ValueError(f"RetrievalCache: tokens must be one sequence of token ids, got {type(tokens).__name__}{shape}"
+                             " (several sequences, e.g. a batch's rows, are added one at a time)")
         return [_token_id(t) for t in tokens]
 
     def _remember(self, ids: list[int]) -> None:

@@ -435,10 +435,13 @@ _ROW_BY_ROW = ("a stopping criterion answered {} values for one row: hf_specdec 
 def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor], dict[int, Exception]]:
     """Per row and emitted-token slot, whether the stopping criteria stop after that token (device
     bools, `emitted.shape[1]` slots a row, padded with False), and the rows whose criterion raised
-    (continuous batching: that request fails alone; otherwise the error propagates)."""
+    (continuous batching: that request fails alone; otherwise the error propagates). The criteria are
+    asked token by token and, where an answer is on the host or reads are free, not past a stop (as in
+    plain decoding); on an accelerator they may be asked about the rest of the round before one read."""
     answers, failed, slots = [], {}, verdict.emitted.shape[1]
     no = torch.zeros((), dtype=torch.bool, device=verdict.emitted.device)
     yes = ~no  # a criterion answering with a Python bool: one of these, no upload per token
+    free = reads_are_free(verdict.emitted.device)
     for i, tokens in enumerate(verdict.tokens):
         row = []
         try:
@@ -448,7 +451,10 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
                 stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
                 if isinstance(stop, torch.Tensor) and stop.numel() != 1:  # a shape: no device read
                     raise ValueError(_ROW_BY_ROW.format(stop.numel()))
-                row.append(stop.all() if isinstance(stop, torch.Tensor) else (yes if stop else no))
+                on_host = not isinstance(stop, torch.Tensor)
+                row.append((yes if stop else no) if on_host else stop.all())
+                if bool(stop) if on_host else free and bool(row[-1]):
+                    break  # not asked past a stop
         except Exception as error:
             if state.requests is None:
                 raise

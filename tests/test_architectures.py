@@ -28,6 +28,11 @@ CONFIGS = {
     "gpt_neo": dict(hidden_size=32, num_layers=2, num_heads=4, max_position_embeddings=1024, window_size=16,
                     attention_types=[[["global", "local"], 1]]),
     "mpt": dict(d_model=32, n_layers=2, n_heads=4, max_seq_len=1024),
+    "roberta": dict(LLAMA_LIKE, is_decoder=True, max_position_embeddings=256),
+    "roformer": dict(LLAMA_LIKE, is_decoder=True, embedding_size=32, max_position_embeddings=256),
+    "trocr": dict(d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=64, max_position_embeddings=256),
+    "rwkv": dict(hidden_size=32, num_hidden_layers=2, attention_hidden_size=32, intermediate_size=64, context_length=256),
+    "cpmant": dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, dim_head=8, dim_ff=64),
     "deepseek_v3": dict(LLAMA_LIKE, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
                         n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
                         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, num_key_value_heads=4),
@@ -82,6 +87,45 @@ def test_batches_and_streams_are_refused_where_holes_would_count(kind):
     if kind == "gpt_neo":  # a batch that cannot outgrow the window is taken, and is exact
         short = dict(attention_mask=mask[:, -6:], max_new_tokens=1)
         assert torch.equal(speculative(target, draft, ids[:, -6:], **short), target.generate(ids[:, -6:], do_sample=False, **short))
+
+
+def test_models_numbering_positions_their_own_way():
+    """RoBERTa's family numbers positions from its padding id when given none, while generate() gives them
+    from 0: each forward now gets them as generate() gives them (chains differed silently). RoFormer and
+    TrOCR take no position ids and number tokens by cache columns: trees fell back to nothing and differed
+    silently, now they are chains; a batch, whose holes they would count, is refused by name."""
+    prompt = REPETITIVE
+    for kind in ("roberta", "roformer", "trocr"):
+        target = build(kind)
+        draft = perturbed(target, noise=0.05)
+        plain = target.generate(prompt, do_sample=False, max_new_tokens=30)
+        for settings in (PINNED, dict(tree=False, adaptive=False, num_draft_tokens=4)):
+            assert torch.equal(speculative(target, draft, prompt, max_new_tokens=30, **settings), plain), (kind, settings)
+    ids, mask = batch()
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="TrOCRForCausalLM takes no position ids"):
+        speculative(target, draft, ids, attention_mask=mask, max_new_tokens=10)
+
+
+def test_models_without_a_cache_that_can_be_cut_are_refused_by_name():
+    """RWKV keeps a recurrent state outside the cache (a single row crashed inside keep_path, a batch
+    differed silently); CPM-Ant's cache holds more columns than the tokens given (a raw crash)."""
+    rwkv = build("rwkv")
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="RwkvForCausalLM.*takes no key-value cache"):
+        speculative(rwkv, rwkv, REPETITIVE, max_new_tokens=5)
+    cpmant = build("cpmant")
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="CpmAntForCausalLM holds .* cached positions"):
+        speculative(cpmant, cpmant, REPETITIVE, max_new_tokens=5)
+    # Falcon-H1's layers are linear attention *and* a DynamicLayer subclass: they passed the layer check and
+    # crashed inside transformers; Gemma 3n's shared layers were called linear attention
+    for kind, settings, named in (
+            ("falcon_h1", dict(LLAMA_LIKE, head_dim=8), "LinearAttentionAndFullAttentionLayer .linear attention"),
+            ("gemma3n_text", dict(LLAMA_LIKE, num_hidden_layers=4, num_kv_shared_layers=2, head_dim=8,
+                                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=4,
+                                  vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, intermediate_size=[64] * 4,
+                                  activation_sparsity_pattern=[0.0] * 4, laurel_rank=4), "DummyLayer .layers without keys")):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **COMMON, **settings)).eval()
+        with pytest.raises(hf_specdec.UnsupportedCacheError, match=named):
+            speculative(model, model, REPETITIVE, max_new_tokens=5)
 
 
 def test_mla_models_batch_and_stream():

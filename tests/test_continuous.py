@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
@@ -234,3 +235,26 @@ def test_a_prompts_attention_mask_drops_its_padding():
     with pytest.raises(ValueError, match="takes no attention_mask argument"):
         hf_specdec.generate_continuous(target, [[1, 2, 3]], assistant=draft, max_new_tokens=3,
                                        attention_mask=torch.ones(1, 3))
+
+
+def test_a_stream_refuses_a_deadline_and_a_single_prompt_and_names_a_failed_loop():
+    """`max_time` was one deadline for the whole stream: every prompt admitted after it got one token and
+    `ok=True`. One prompt given flat (`[1, 2, 3]`) made each id a failed request. A decode loop that failed
+    before any result was raised raw, after one as `StreamError`: now always `StreamError`."""
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, noise=0.3)
+    with pytest.raises(ValueError, match="max_time is one generate"):
+        hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=5, max_time=1.0)
+    for flat in ([1, 2, 3], torch.tensor([1, 2, 3])):
+        with pytest.raises(ValueError, match="one sequence of token ids.*give \\[prompt\\]"):
+            hf_specdec.generate_continuous(target, flat, assistant=draft, max_new_tokens=5)
+    results = hf_specdec.generate_continuous(target, iter([3, [1, 2]]), assistant=draft, max_new_tokens=5)
+    assert "one number (3)" in str(results[0].error) and results[1].ok
+
+    def sink(record):
+        raise RuntimeError("sink fails")
+
+    with pytest.raises(hf_specdec.StreamError, match="sink fails") as caught:
+        hf_specdec.generate_continuous(target, [[1, 5, 9], [3], [7, 8]], assistant=draft, max_new_tokens=8,
+                                       acceptance_sink=sink, max_batch_size=np.int64(2))
+    assert caught.value.results == [] or all(r is None or not r.ok for r in caught.value.results)

@@ -233,7 +233,8 @@ def test_greedy_identity_with_a_draft_vocabulary_padded_differently(draft_vocab)
     for kwargs in ({"assistant": draft}, {"candidate_generator": hf_specdec.DraftModelDrafter(draft, None, False)},
                    {"candidate_generator": wrapped}):  # the last: an IndexError before
         out = target.generate(prompt, max_new_tokens=40, do_sample=False, custom_generate=hf_specdec.speculative_generate,
-                              return_dict_in_generate=True, **kwargs)
+                              return_dict_in_generate=True, costs=hf_specdec.Costs(draft_step=0.05, verify=0.02), **kwargs)
+        # pinned costs: measured ones on a loaded machine can decide drafting does not pay (accepted 0)
         assert out.sequences.tolist() == plain.tolist() and out.acceptance.accepted > 0
     batch = torch.tensor([[0, 0, 1, 5, 9, 397], [1, 5, 9, 397, 12, 398]])
     mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
@@ -679,7 +680,7 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
     cache.add([2, 7, 3, 100, 200] * 3)  # ids of another tokenizer
     with pytest.raises(ValueError, match="retrieval_cache holds token id 200, outside the target's vocabulary of 64"):
         spec(target, target, max_new_tokens=3, retrieval_cache=cache, ngram=True, adaptive=True)
-    for bad, message in (([1.5, 2.0], "token ids must be integers"), ("text", "tokens must be a sequence of token ids, got str")):
+    for bad, message in (([1.5, 2.0], "token ids must be integers"), ("text", "tokens must be one sequence of token ids, got str")):
         with pytest.raises(ValueError, match=message):
             hf_specdec.RetrievalCache().add(bad)
     torch.manual_seed(0)
@@ -715,3 +716,44 @@ def test_drafts_caches_and_layers_the_loop_cannot_use_are_named():
     results = hf_specdec.generate_continuous(target, [[1, 2, 1, 2], [3, 4]], candidate_generator=hf_specdec.NgramDrafter(),
                                              max_batch_size=1, max_new_tokens=3, do_sample=False)
     assert all(r.ok for r in results)
+
+
+def test_an_empty_cache_object_passed_is_the_one_filled():
+    """`DynamicCache()` built without a config holds no layer, so it is falsy: the loop took a fresh cache and
+    left the caller's empty (a hand-fed next token then read wrong logits)."""
+    from transformers import DynamicCache
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.02)
+    mine, theirs = DynamicCache(), DynamicCache()
+    out = target.generate(PROMPT, max_new_tokens=5, do_sample=False, cache=mine,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    assert torch.equal(out, target.generate(PROMPT, max_new_tokens=5, do_sample=False, cache=theirs))
+    assert mine.get_seq_length() == theirs.get_seq_length() == out.shape[1] - 1
+    # its keys and values came from forwards over several tokens: equal up to float rounding
+    assert torch.allclose(target(out[:, -1:], cache=mine).logits, target(out[:, -1:], cache=theirs).logits, atol=1e-5)
+
+
+def test_use_cache_false_returns_no_cache_and_criteria_are_not_asked_past_a_stop():
+    """As plain generate(): `use_cache=False` returns no cache (one was returned); on the CPU a stopping
+    criterion is asked about each emitted token once and never past the token it stops at (it was asked
+    about the rest of the round too)."""
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.02)
+    out = spec(target, draft, max_new_tokens=5, do_sample=False, use_cache=False, return_dict_in_generate=True)
+    assert out.cache is None
+
+    class Spy(StoppingCriteria):
+        def __init__(self):
+            self.seen = []
+
+        def __call__(self, input_ids, scores, **kwargs):
+            self.seen.append(input_ids.shape[1])
+            return torch.tensor([input_ids.shape[1] >= PROMPT.shape[1] + 3])
+
+    asked = []
+    for run in (lambda c: spec(target, draft, num_draft_tokens=5, do_sample=False, max_new_tokens=10, stopping_criteria=c),
+                lambda c: target.generate(PROMPT, do_sample=False, max_new_tokens=10, stopping_criteria=c)):
+        spy = Spy()
+        asked.append((run(StoppingCriteriaList([spy])).shape[1], spy.seen))
+    assert asked[0] == asked[1] == (PROMPT.shape[1] + 3, [PROMPT.shape[1] + 1, PROMPT.shape[1] + 2, PROMPT.shape[1] + 3])

@@ -78,8 +78,11 @@ def test_memory_is_bounded_oldest_first_and_the_cache_round_trips_through_disk(t
     (tmp_path / "other.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="not a saved hf_specdec.RetrievalCache"):
         RetrievalCache.load(tmp_path / "other.json")
-    with pytest.raises(ValueError, match="cannot read"):
+    with pytest.raises(FileNotFoundError):  # as open() raises it, so `except FileNotFoundError` starts anew
         RetrievalCache.load(tmp_path / "missing.json")
+    (tmp_path / "folder.json").mkdir()
+    with pytest.raises(ValueError, match="cannot read"):
+        RetrievalCache.load(tmp_path / "folder.json")
     # the right format tag over the wrong structure: a ValueError naming the file (a KeyError, TypeError or
     # AttributeError before), and learned values that are not probabilities
     import json
@@ -163,7 +166,7 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
     short = RetrievalCache(max_tokens=10)
     short.add([200] + [1] * 20)  # longer than the cache: only its tail is kept, and only that counts
     assert short.max_token_id == 1
-    with pytest.raises(ValueError, match="tokens must be a sequence of token ids, got int"):  # a raw TypeError
+    with pytest.raises(ValueError, match="tokens must be one sequence of token ids, got int"):  # a raw TypeError
         cache.add(5)
     for bad in (dict(max_branches=0), dict(max_branches=-1), dict(min_match="a")):  # -1 dropped a branch silently
         with pytest.raises(ValueError, match="RetrievalCache.lookup: (max_branches|min_match)"):
@@ -329,3 +332,17 @@ def test_a_round_whose_only_lookup_was_cut_to_nothing_is_labelled_plain():
     chain = Proposal(torch.tensor([[4, 5]]), None, "draft", host=[[4, 5]], forwards=2, confidences=[[0.9, 0.8]])
     mixed = _mixed(chain, [[]], [0])
     assert mixed.source == mixed.source_of(0) == "none"
+
+
+def test_a_minimum_match_longer_than_the_index_and_tokens_not_one_sequence():
+    """A `min_match` above `index_ngram` never matched, however long the match (`ngram_min_size=3` with a
+    cache of `index_ngram=2` left the cache unused); a 0-d tensor gave a raw TypeError, a batch's rows a
+    message about one row's ids."""
+    cache = RetrievalCache(context=0, index_ngram=2)
+    cache.add(list(range(1, 12)))
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7], 3, min_match=3) == ([[8, 9, 10]], 4)
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7], 3, min_match=5) == ([[8, 9, 10]], 4)
+    assert cache.lookup([40, 5, 6, 7], 3, min_match=4) == ([], 0)  # only 3 tokens match
+    for bad in (torch.tensor(3), torch.tensor([[1, 2], [3, 4]]), np.zeros((2, 2), dtype=int)):
+        with pytest.raises(ValueError, match="one sequence of token ids"):
+            cache.add(bad)

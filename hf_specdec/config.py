@@ -16,6 +16,7 @@ PREFILL_RATIO = 0.35
 # setting: on the standard preset 2 instead of 3 changed no output and no round (a lookup follows the
 # occurrence whose match reaches furthest back, whatever n; evals/results/planner/sixth/).
 NGRAM_MAX_SIZE = 3
+MAX_DRAFT_TOKENS = 1024  # a draft chain longer than this cannot pay: a forward of the draft for each token
 
 # Sampling on a CPU scores p lazily (`verify.lazy_speculative_sampling`): positions [0, 4), then 8
 # more, then 16, ..., while the row has rejected nothing.
@@ -143,6 +144,9 @@ class SpeculativeConfig:
             object.__setattr__(self, name, as_int(getattr(self, name)))
         for name in ("num_draft_tokens", "tree_max_nodes"):
             _check_int(name, getattr(self, name), minimum=1)
+        if self.num_draft_tokens > MAX_DRAFT_TOKENS:  # the planner keeps an estimate per depth: memory grows with it
+            raise ValueError(f"num_draft_tokens must be at most {MAX_DRAFT_TOKENS} (draft steps a round, each a forward of "
+                             f"the draft), got {self.num_draft_tokens}")
         _check_int("ngram_min_size", self.ngram_min_size, minimum=1)
         if self.ngram_min_size > NGRAM_MAX_SIZE:
             raise ValueError(f"ngram_min_size must be at most {NGRAM_MAX_SIZE} (the longest n-gram a lookup matches), "

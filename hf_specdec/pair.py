@@ -208,7 +208,11 @@ def load_model(
 
     folder = _local_folder(name_or_path, dtype)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype, device_map=device_map)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+    except (OSError, ValueError) as error:  # transformers names backends, not the folder
+        raise ModelFileError(f"{name_or_path}: no tokenizer could be loaded from it ({str(error).strip().splitlines()[0]}); "
+                             "save the tokenizer beside the model (tokenizer.save_pretrained(folder))") from error
     if device is not None and device_map is None:
         model = model.to(device)
     return model.eval(), tokenizer

@@ -665,6 +665,46 @@ def test_cli_checks_arguments_together_before_loading(tmp_path):
     assert check(target=str(tmp_path), draft="self:3") is None
 
 
+def test_cli_a_target_of_ones_own_base_models_and_int4_drafts(capsys, monkeypatch, tmp_path):
+    """From a probe of the CLI: `--target folder` without `--draft` went on to download the registry's draft
+    (whose tokenizer it could only fail); a model folder without a tokenizer was named by transformers'
+    backends only; a base model without a chat template failed in `apply_chat_template`; `--draft-bits 4`
+    on widths not a multiple of 32 suggested arguments the CLI does not have; a huge --num-draft-tokens
+    filled the memory."""
+    import argparse
+    from types import SimpleNamespace
+
+    from hf_specdec import cli as cli_module
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path / "model")
+    capsys.readouterr()  # save_pretrained's progress bar
+    code, err = cli(capsys, monkeypatch, "--target", str(tmp_path / "model"))
+    assert code == 2 and "give --draft too" in err and len(err.strip().splitlines()) == 1
+    code, err = cli(capsys, monkeypatch, "--num-draft-tokens", "1000000000")
+    assert code == 2 and "--num-draft-tokens: must be at most 1024" in err
+    with pytest.raises(ValueError, match="num_draft_tokens must be at most 1024"):
+        hf_specdec.SpeculativeConfig(num_draft_tokens=10**9)
+    with pytest.raises(pair_module.ModelFileError, match="model: no tokenizer could be loaded from it"):
+        pair_module.load_model(str(tmp_path / "model"), dtype=torch.float32)
+
+    class BaseTokenizer:
+        chat_template = None
+
+        def __call__(self, text, return_tensors):
+            return {"input_ids": torch.tensor([[1, 2, 3]])}
+
+    assert cli_module.chat_inputs(BaseTokenizer(), "hi", "cpu")["input_ids"].tolist() == [[1, 2, 3]]
+    assert "no chat template" in capsys.readouterr().out
+    narrow = tiny_model("llama")  # hidden size 32; int4 groups of 32 need in_features % 32 == 0: 48 fails
+    narrow = type(narrow)(type(narrow.config)(**{**narrow.config.to_dict(), "hidden_size": 48, "head_dim": 12}))
+    monkeypatch.setattr(cli_module, "load_model", lambda *a, **k: (narrow, None))
+    monkeypatch.setattr(cli_module, "check_same_vocabulary", lambda *a: None)
+    args = argparse.Namespace(draft="d", draft_bits=4, device=None)
+    with pytest.raises(ValueError, match="--draft-bits 4 cannot quantize this draft .*use --draft-bits 8 or 16"):
+        cli_module._load_draft(args, SimpleNamespace(), None, packed=False)
+
+
 def test_cli_reports_a_runtime_failure_in_one_line_and_debug_shows_it(capsys, monkeypatch, tmp_path):
     from hf_specdec import cli as cli_module
 

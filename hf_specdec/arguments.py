@@ -106,6 +106,11 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
+    if getattr(model.config, "is_decoder", None) is False and model.config.model_type in _CAUSAL_ONLY_AS_DECODER:
+        raise ValueError(
+            f"the target ({type(model).__name__}) has is_decoder=False, so it attends in both directions (transformers "
+            "warns about it): in a forward over several new tokens each would see the ones after it, and the output "
+            "would differ from plain decoding. Load it with is_decoder=True (from_pretrained(..., is_decoder=True)).")
     _validate_drafter(model, candidate_generator, input_ids.shape[0], rows)
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids, generation_config.pad_token_id)
@@ -216,6 +221,10 @@ def validate_retrieval_cache(model: PreTrainedModel, cache: RetrievalCache | Non
                          f"{vocab} tokens: was it filled with another model's tokenizer?")
 
 
+# Encoder families whose language-model heads attend causally only with `config.is_decoder=True`.
+_CAUSAL_ONLY_AS_DECODER = frozenset({
+    "bert", "bert-generation", "big_bird", "camembert", "convbert", "data2vec-text", "electra", "ernie", "megatron-bert",
+    "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod"})
 _LAYER_KINDS = {"DummyLayer": "layers without keys and values of their own: shared with another layer's, as in Gemma 3n, "
                               "or no attention"}
 

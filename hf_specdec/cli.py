@@ -41,6 +41,9 @@ def chat_inputs(tokenizer, prompt: str, device) -> dict:
 
 
 def generate_command(args: argparse.Namespace) -> None:
+    problem = _check_together(args)  # main() checks first; a direct call gets the same checks and defaults
+    if problem:
+        raise ValueError(problem)
     if args.threads:
         torch.set_num_threads(args.threads)
     from .pair import REGISTRY

@@ -405,9 +405,11 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
         if _setting(name, generate_kwargs, model):
             raise ValueError(f"generate_continuous returns one StreamResult a prompt (its tokens, acceptance and error): "
                              f"{name} has no place in it (one generate call per prompt returns scores)")
-    if _setting("max_time", generate_kwargs, model) is not None:
-        raise ValueError("max_time is one generate() call's deadline; a stream admits prompts over time, and every "
-                         "prompt admitted after it passed would be cut at its first token. Bound each prompt with "
+    deadline = generate_kwargs["max_time"] if "max_time" in generate_kwargs else _setting("max_time", generate_kwargs, model)
+    if deadline is not None:  # max_time=None drops one the configs set, as in generate()
+        source = "" if "max_time" in generate_kwargs else " (set in a generation config; max_time=None drops it)"
+        raise ValueError(f"max_time{source} is one generate() call's deadline; a stream admits prompts over time, and "
+                         "every prompt admitted after it passed would be cut at its first token. Bound each prompt with "
                          "max_new_tokens (or a budget in its mapping), or stop feeding prompts from your iterator")
     if (_setting("num_return_sequences", generate_kwargs, model) or 1) != 1:
         raise ValueError("generate_continuous returns one StreamResult a prompt: for n samples of a prompt, give it n "
@@ -459,8 +461,8 @@ def generate_continuous(
                 assistant=assistant, requests=requests, **{**generate_kwargs, **longer},
             )
     except Exception as error:
-        if not requests.results and not requests.decoding:
-            raise  # nothing to save: the call's own error (bad arguments, an unsupported model), as it is
+        if not requests.decoding:
+            raise  # the call's own error (bad arguments, an unsupported model), as it is: no prompt was decoded
         raise requests.error(error) from error
     finally:
         requests.close()

@@ -91,6 +91,7 @@ def speculative_generate(
     `requests` (continuous batching); docs/usage.md documents each. Returns the
     sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
     own = {k: v for k, v in locals().items() if k in OWN_ARGUMENTS}
+    stream = streamer or spec_streamer
     try:
         config = check_arguments(own)  # before any model work
         logits_processor, stopping_criteria, generation_config = call_defaults(logits_processor, stopping_criteria,
@@ -98,24 +99,22 @@ def speculative_generate(
         if streamer is None:
             refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
-                 streaming=streamer is not None or spec_streamer is not None)
+                 streaming=stream is not None)
         validate_retrieval_cache(model, retrieval_cache)
         if requests is not None:
             config, stopping_criteria = continuous_settings(
-                config, logits_processor, stopping_criteria, candidate_generator, input_ids, streamer or spec_streamer,
-                requests.max_batch_size)
-        state = _start(
-            model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
-            candidate_generator, generator, streamer or spec_streamer, acceptance_sink, model_kwargs, requests,
-            retrieval_cache,
-        )
-        if streamer is None and spec_streamer is not None:
-            spec_streamer.put(input_ids.cpu())  # generate() sends the prompt to a `streamer=` it forwards; not to ours
-        _run(state)
-        return _finish(state)
+                config, logits_processor, stopping_criteria, candidate_generator, input_ids, stream, requests.max_batch_size)
+        state = _start(model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
+                       candidate_generator, generator, stream, acceptance_sink, model_kwargs, requests, retrieval_cache)
+        # generate() sends the prompt to a `streamer=` it forwards; not to ours
+        _run(state, prompt=input_ids if streamer is None and spec_streamer is not None else None)
+        output = _finish(state)
     except BaseException:  # validation included: a consumer iterating the streamer must not wait forever
-        _end_quietly(streamer or spec_streamer)
+        _end_quietly(stream)
         raise
+    if stream is not None:  # last, once: a failure above ends it quietly instead
+        stream.end()
+    return output
 
 
 def _end_quietly(streamer: BaseStreamer | None) -> None:
@@ -126,9 +125,12 @@ def _end_quietly(streamer: BaseStreamer | None) -> None:
             pass
 
 
-def _run(state: "DecodeState") -> None:
-    """`_decode`, then, however it ends, the sink closed and the rows joined to the retrieval cache."""
+def _run(state: "DecodeState", prompt: torch.Tensor | None = None) -> None:
+    """The prompt to the streamer (where given) and `_decode`, then, however it ends, the sink closed and
+    the rows joined to the retrieval cache."""
     try:
+        if prompt is not None:
+            state.streamer.put(prompt.cpu())
         _decode(state)
     finally:
         state.close_sink()
@@ -313,8 +315,6 @@ def _finish(state: DecodeState) -> SpeculativeDecoderOnlyOutput | torch.LongTens
             cache=None if state.generation_config.use_cache is False else cache,
             acceptance=stats, acceptance_per_row=state.row_stats, cost_model=state.planner.estimates(),
         )
-    if state.streamer is not None:  # last: a failure before it ends the streamer once, in speculative_generate
-        state.streamer.end()
     return output
 
 

@@ -74,7 +74,7 @@ def _kernel_problem(bits: int) -> str | None:
     if missing:
         return f"int{bits} weight-only needs torch.{' and torch.'.join(missing)}, not in this torch build ({torch.__version__})"
     try:  # present is not always usable (e.g. an op compiled only for another device): try a tiny one
-        x = torch.randn(2, 64, dtype=torch.bfloat16)
+        x = torch.randn(2, 64, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)  # not the user's RNG
         if bits == 8:
             torch._weight_int8pack_mm(x, torch.ones(16, 64, dtype=torch.int8), torch.ones(16, dtype=torch.bfloat16))
         else:

@@ -120,7 +120,7 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max(0, min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room)),
-                           batch.host_sequences(), confidences=planner.adaptive)
+                           batch.host_sequences(), confidences=planner.adaptive, generator=state.generator)
     cached = state.drafter.cache.get_seq_length() if state.drafter.cache is not None else batch.width
     trace = Trace(lag=batch.width - cached)
     if room <= 0:

@@ -128,6 +128,20 @@ def test_models_without_a_cache_that_can_be_cut_are_refused_by_name():
             speculative(model, model, REPETITIVE, max_new_tokens=5)
 
 
+def test_an_encoders_language_model_head_without_is_decoder_is_refused():
+    """BERT's family with is_decoder=False (the config's default) attends in both directions: a verify
+    forward let each new token see the ones after it, and greedy output differed silently."""
+    torch.manual_seed(0)
+    settings = dict(COMMON, **{**LLAMA_LIKE, "max_position_embeddings": 256})
+    bidirectional = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **settings)).eval()
+    with pytest.raises(ValueError, match="is_decoder=False, so it attends in both directions"):
+        speculative(bidirectional, bidirectional, REPETITIVE, max_new_tokens=5)
+    causal = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **settings, is_decoder=True)).eval()
+    causal.generation_config.eos_token_id = None
+    assert torch.equal(speculative(causal, perturbed(causal, noise=0.05), REPETITIVE, max_new_tokens=20, **PINNED),
+                       causal.generate(REPETITIVE, do_sample=False, max_new_tokens=20))
+
+
 def test_mla_models_batch_and_stream():
     """Keys and values of different head sizes (16 and 8): rows are gathered and added per tensor."""
     target = build("deepseek_v3")

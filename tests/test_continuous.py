@@ -245,6 +245,14 @@ def test_a_stream_refuses_a_deadline_and_a_single_prompt_and_names_a_failed_loop
     draft = perturbed(target, noise=0.3)
     with pytest.raises(ValueError, match="max_time is one generate"):
         hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, max_new_tokens=5, max_time=1.0)
+    from transformers import GenerationConfig
+
+    timed = GenerationConfig(max_time=1.0, max_new_tokens=5)
+    with pytest.raises(ValueError, match="set in a generation config; max_time=None drops it"):
+        hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, generation_config=timed)
+    assert hf_specdec.generate_continuous(target, [[1, 2]], assistant=draft, generation_config=timed, max_time=None)[0].ok
+    with pytest.raises(ValueError, match="beam"):  # the call's own error, as it is, though a request failed before
+        hf_specdec.generate_continuous(target, ["text", [1, 2]], assistant=draft, max_new_tokens=5, num_beams=2)
     for flat in ([1, 2, 3], torch.tensor([1, 2, 3])):
         with pytest.raises(ValueError, match="one sequence of token ids.*give \\[prompt\\]"):
             hf_specdec.generate_continuous(target, flat, assistant=draft, max_new_tokens=5)

@@ -681,6 +681,8 @@ def test_cli_a_target_of_ones_own_base_models_and_int4_drafts(capsys, monkeypatc
     capsys.readouterr()  # save_pretrained's progress bar
     code, err = cli(capsys, monkeypatch, "--target", str(tmp_path / "model"))
     assert code == 2 and "give --draft too" in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(ValueError, match="give --draft too"):  # a direct call gets main()'s checks
+        cli_module.generate_command(cli_module.build_parser().parse_args(["generate", "--target", str(tmp_path / "model")]))
     code, err = cli(capsys, monkeypatch, "--num-draft-tokens", "1000000000")
     assert code == 2 and "--num-draft-tokens: must be at most 1024" in err
     with pytest.raises(ValueError, match="num_draft_tokens must be at most 1024"):

@@ -757,3 +757,61 @@ def test_use_cache_false_returns_no_cache_and_criteria_are_not_asked_past_a_stop
         spy = Spy()
         asked.append((run(StoppingCriteriaList([spy])).shape[1], spy.seen))
     assert asked[0] == asked[1] == (PROMPT.shape[1] + 3, [PROMPT.shape[1] + 1, PROMPT.shape[1] + 2, PROMPT.shape[1] + 3])
+
+
+def test_state_one_call_leaves_for_the_next(tmp_path):
+    """From a probe of state across calls: a streamer whose first put (the prompt) raised left a path sink
+    open (one file handle per failed call, while the exception lived); a streamer whose end() raised was
+    ended twice; a DraftModelDrafter built without a generator, passed as candidate_generator, drew from
+    the global RNG instead of the call's `generator` (seeded calls did not repeat); quantize_weights'
+    first call in a process drew from the global RNG."""
+    import gc
+    import os
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.05)
+
+    class Gone(BaseStreamer):
+        def __init__(self, fail_put=True):
+            self.fail_put, self.ends = fail_put, 0
+
+        def put(self, value):
+            if self.fail_put:
+                raise BrokenPipeError("client gone")
+
+        def end(self):
+            self.ends += 1
+            if not self.fail_put:
+                raise BrokenPipeError("client gone")
+
+    kept = []
+    open_before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(BrokenPipeError) as caught:
+            spec(target, draft, max_new_tokens=6, do_sample=False, spec_streamer=Gone(), acceptance_sink=str(tmp_path / "r.jsonl"))
+        kept.append(caught.value)  # a kept exception keeps its frames: the sink must be closed before
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == open_before
+    ending = Gone(fail_put=False)
+    with pytest.raises(BrokenPipeError):
+        spec(target, draft, max_new_tokens=6, do_sample=False, spec_streamer=ending)
+    assert ending.ends == 1
+
+    own = hf_specdec.DraftModelDrafter(draft, None, True)  # no generator of its own
+
+    def run():
+        return target.generate(PROMPT, do_sample=True, max_new_tokens=12, custom_generate=hf_specdec.speculative_generate,
+                               candidate_generator=own, costs=hf_specdec.Costs(draft_step=0.2, verify=0.05),
+                               generator=torch.Generator().manual_seed(0)).tolist()
+
+    first = run()
+    torch.manual_seed(123)  # the global RNG moved: the call's generator alone decides
+    assert run() == first
+    from hf_specdec.quantize import _kernel_problem
+
+    _kernel_problem.cache_clear()
+    torch.manual_seed(0)
+    hf_specdec.quantize_weights(perturbed(target, noise=0.01), 8)
+    after = torch.rand(2)
+    torch.manual_seed(0)
+    assert torch.equal(after, torch.rand(2))

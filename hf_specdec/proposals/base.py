@@ -118,6 +118,7 @@ class DraftRequest:
     # Where reading the device is free (the CPU): after each drafted token, given per row the draft's
     # probability of it, whether to draft another (the planner's early stop). None: draft max_tokens.
     keep_drafting: Callable[[list[float]], bool] | None = None
+    generator: torch.Generator | None = None  # the call's, for a sampling source built without one of its own
 
 
 class Drafter(ABC):

@@ -165,7 +165,8 @@ class DraftModelDrafter(Drafter):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = self._logits(ids, mask)  # [rows, vocab]
-            token, q, report = self._next(request.prefixes, ids[:, width:], logits, request.confidences)
+            token, q, report = self._next(request.prefixes, ids[:, width:], logits, request.confidences,
+                                          self.generator if self.generator is not None else request.generator)
             probs.append(q)
             reports.append(report)
             ids = torch.cat([ids, token[:, None]], dim=1)
@@ -193,6 +194,7 @@ class DraftModelDrafter(Drafter):
         drafts: torch.Tensor,  # [rows, j]: drafted so far this round
         logits: torch.Tensor,  # [rows, vocab]: raw draft logits
         report: bool,
+        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """(token [rows], q [rows, vocab] or None, and when `report` on the device: the draft's
         probability of the token, and for greedy drafts its runner-up and the runner-up's probability)."""
@@ -202,7 +204,7 @@ class DraftModelDrafter(Drafter):
             scores = torch.where(dead, self._uniform_past(scores), scores)
         if self.do_sample:
             q = logits_to_probs(scores)
-            token = sample(q, self.generator)
+            token = sample(q, generator)
         else:
             q, token = None, scores.argmax(dim=-1)
         if not report:

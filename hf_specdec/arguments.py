@@ -106,6 +106,10 @@ def validate(
         )
     if model.config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
+    if model.config.model_type == "xlm":
+        raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
+                         "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
+                         "lacks. Use plain generate() for XLM.")
     if getattr(model.config, "is_decoder", None) is False and model.config.model_type in _CAUSAL_ONLY_AS_DECODER:
         raise ValueError(
             f"the target ({type(model).__name__}) has is_decoder=False, so it attends in both directions (transformers "

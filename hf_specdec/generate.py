@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -36,7 +36,7 @@ from .proposals import CandidateGeneratorDrafter, Drafter, DraftModelDrafter, Ng
 from .proposals.checked import CheckedDrafter
 from .proposals.draft_model import DraftCandidateGenerator, context_length, inner_drafter
 from .retrieval import Retrieval, RetrievalCache
-from .rounds import admit, commit, emit, observe, propose, retire, verify
+from .rounds import admit, commit, emit, flush_records, observe, propose, retire, verify
 from .sampling import RowProcessors
 from .stats import CACHE, AcceptanceSink, AcceptanceStats, RoundRecord, open_sink
 from .verify import reads_are_free
@@ -133,6 +133,7 @@ def _run(state: "DecodeState", prompt: torch.Tensor | None = None) -> None:
             state.streamer.put(prompt.cpu())
         _decode(state)
     finally:
+        flush_records(state)
         state.close_sink()
         if state.lookup is not None:
             state.lookup.close(state.batch.generated)  # the call's rows join the cache (searchable in later calls)
@@ -208,6 +209,9 @@ class DecodeState:
     # EOS to pad it with) until every row has stopped. Per original row, the new tokens it stopped at.
     held: dict[int, int] | None = None
     max_positions: int | None = None  # the target's table of learned positions (GPT-2): its rows; None: rotary
+    # Sink records held back once a row is held (their tokens past the batch's end are cut when it ends), each
+    # with its row's generated length before that round
+    pending: list[tuple[RoundRecord, int]] = field(default_factory=list)
 
     @property
     def caches(self) -> tuple[Cache | None, ...]:

@@ -409,6 +409,7 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
     last one stopped, rows past it are cut back to it, rows short of it decode on until they reach it."""
     batch, outputs = state.batch, state.outputs
     end = max(state.held.get(row, len(tokens)) for row, tokens in enumerate(batch.generated))
+    flush_records(state, end)
     active = {row: i for i, row in enumerate(batch.rows)}
     for row, tokens in enumerate(batch.generated):  # rows that already left at their budget too
         extra = len(tokens) - end
@@ -425,6 +426,15 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
             if extra >= 0:
                 i = active[row]
                 counts[i], finished[i] = max(0, counts[i] - extra), True
+
+
+def flush_records(state: DecodeState, end: int | None = None) -> None:
+    """Write the records held back while rows were held, their emitted tokens cut at the batch's `end`."""
+    for record, start in state.pending:
+        if end is not None:
+            record.emitted_tokens = record.emitted_tokens[: max(0, end - start)]
+        state.write_record(record)
+    state.pending.clear()
 
 
 _ROW_BY_ROW = ("a stopping criterion answered {} values for one row: hf_specdec asks the criteria about each row "
@@ -467,15 +477,24 @@ def observe(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
     """5. Statistics for the batch and each row, one record per row for the sink, and the planner."""
     accepted = verdict.accepted
     for i, row in enumerate(state.batch.rows):
-        # a tree counts its depth: the most tokens it could accept (its nodes are in the record)
-        length = proposal.length(i) if proposal.tree is None else tree_depth(proposal.tree.parents)
+        # a tree counts its depth: the most tokens it could accept (its nodes are in the record); the rule looked
+        # one position past its accepted branch only where that branch has a child there
+        length, reached = proposal.length(i), None
+        if proposal.tree is not None:
+            parents, last = proposal.tree.parents, (verdict.path[-1] if verdict.path else -1)
+            length, reached = tree_depth(parents), accepted[i] + (last in parents)
         for counters in (state.stats, state.row_stats[row]):
-            counters.record(length, accepted[i], emission.counts[i])
+            counters.record(length, accepted[i], emission.counts[i], reached)
         # the row's own source; the forwards and seconds of the round it took part in (shared with the others)
-        state.row_stats[row].count_round(proposal.source_of(i), proposal.forwards, trace.seconds, verdict.seconds)
+        state.row_stats[row].count_round(_source(proposal, i), proposal.forwards, trace.seconds, verdict.seconds)
         if state.write_record is not None:
-            state.write_record(_record(state, proposal, trace, verdict, emission, i, row))
-    state.stats.count_round(proposal.source, proposal.forwards, trace.seconds, verdict.seconds)
+            record = _record(state, proposal, trace, verdict, emission, i, row)
+            if state.held:  # a row decodes on past its stop: tokens past the batch's end are cut when it ends
+                state.pending.append((record, len(state.batch.generated[row]) - emission.counts[i]))
+            else:
+                state.write_record(record)
+    state.stats.count_round(proposal.source if proposal.num_tokens else NONE, proposal.forwards, trace.seconds,
+                            verdict.seconds)
     timed = proposal.forwards if trace.lag <= 2 else 0  # a first forward that caught up (or encoded the prompt) is no step
     state.planner.curve.observe(proposal.num_tokens + 1, verdict.seconds, timed, trace.seconds, verdict.columns)
     if proposal.tree is not None:
@@ -565,7 +584,7 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         round=state.stats.rounds, row=row, draft_tokens=proposal.host_tokens()[i][: proposal.length(i)],
         num_accepted=accepted, emitted_tokens=verdict.tokens[i][: emission.counts[i]],
         expected_acceptance=_expected_acceptance(proposal, verdict, i),
-        draft_seconds=trace.seconds, target_seconds=verdict.seconds, source=proposal.source_of(i),
+        draft_seconds=trace.seconds, target_seconds=verdict.seconds, source=_source(proposal, i),
         parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
         cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
@@ -579,6 +598,11 @@ def _retrieved(proposal: Proposal, i: int) -> bool:
     if proposal.tree is not None:
         return any(proposal.tree.retrieved)
     return proposal.source_of(i) == NGRAM and proposal.length(i) > 0
+
+
+def _source(proposal: Proposal, i: int) -> str:
+    """Row i's source, "none" where it proposed nothing (a source of one's own that found no lookup is a plain step)."""
+    return proposal.source_of(i) if proposal.tree is not None or proposal.length(i) else NONE
 
 
 def _accepted_from(proposal: Proposal, i: int, accepted: int, path: list[int] | None) -> str:

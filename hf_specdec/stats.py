@@ -24,7 +24,8 @@ class RoundRecord:
     draft_tokens: list[int]  # proposed by the draft, in order
     num_accepted: int  # length of the accepted prefix of draft_tokens
     emitted_tokens: list[int]  # appended to the output (accepted + recovered/bonus, cut at a stop)
-    # Per draft position: sum_t min(p(t), q(t)) = 1 - TV(p, q), the probability that the rule accepts
+    # Per draft position whose p was computed (on a CPU, sampling scores p lazily: it may stop short of the
+    # draft's length): sum_t min(p(t), q(t)) = 1 - TV(p, q), the probability that the rule accepts
     # at that position given the prefix (sampling mode only; None in greedy mode).
     expected_acceptance: list[float] | None = None
     draft_seconds: float = 0.0
@@ -83,8 +84,9 @@ class AcceptanceStats:
         self.draft_seconds += draft_seconds
         self.target_seconds += target_seconds
 
-    def record(self, num_drafted: int, num_accepted: int, num_emitted: int) -> None:
-        """Count one row's round."""
+    def record(self, num_drafted: int, num_accepted: int, num_emitted: int, num_reached: int | None = None) -> None:
+        """Count one row's round. `num_reached`: the positions the rule looked at, where not every position up
+        to the first rejection had a token (a tree whose accepted branch ends early)."""
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.emitted += num_emitted
@@ -94,7 +96,8 @@ class AcceptanceStats:
                 counts.extend([0] * grow)
         for i in range(num_drafted):
             self.drafted_per_position[i] += 1
-        for i in range(min(num_accepted + 1, num_drafted)):  # up to and including the first rejection
+        reached = min(num_accepted + 1, num_drafted) if num_reached is None else num_reached
+        for i in range(reached):  # up to and including the first rejection
             self.reached_per_position[i] += 1
         for i in range(num_accepted):
             self.accepted_per_position[i] += 1
@@ -192,7 +195,9 @@ class CostEstimates:
     draft_cost: float  # c: one draft forward
     verify_cost: float  # d: one more token in the verifying forward (price of 2 tokens less 1)
     measured_verify_cost: float | None  # d0, from the prompt's encoding and one step (None: not measured)
-    first_acceptance: float  # running acceptance of the first draft token
+    # the planner's estimate for the first draft token: a running average (weight 0.2 a round) that starts from a
+    # prior of 0.7, so it is that prior in a call where the draft never ran
+    first_acceptance: float
     drafting_pays: bool  # first_acceptance > draft_cost + verify_cost at the end of the call
     pinned: bool  # the prices were given (costs=), not measured
 

@@ -136,6 +136,9 @@ def test_an_encoders_language_model_head_without_is_decoder_is_refused():
     bidirectional = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **settings)).eval()
     with pytest.raises(ValueError, match="is_decoder=False, so it attends in both directions"):
         speculative(bidirectional, bidirectional, REPETITIVE, max_new_tokens=5)
+    xlm = AutoModelForCausalLM.from_config(AutoConfig.for_model("xlm", vocab_size=VOCAB, emb_dim=32, n_layers=2, n_heads=4))
+    with pytest.raises(ValueError, match="XLM's language-model head"):  # a raw RuntimeError inside its forward before
+        speculative(xlm.eval(), xlm, REPETITIVE, max_new_tokens=5)
     causal = AutoModelForCausalLM.from_config(AutoConfig.for_model("bert", **settings, is_decoder=True)).eval()
     causal.generation_config.eos_token_id = None
     assert torch.equal(speculative(causal, perturbed(causal, noise=0.05), REPETITIVE, max_new_tokens=20, **PINNED),

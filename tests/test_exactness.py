@@ -179,16 +179,16 @@ class UnprocessedQ(DraftModelDrafter):
     distribution (softmax of the raw logits), so acceptance uses a q other than the one the token was
     drawn from. Works on any device and batch (it changes what `_next` returns, nothing else)."""
 
-    def _next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, parts = super()._next(prefixes, drafts, logits, report, generator)
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, parts = super()._next(prefixes, drafts, logits, report)
         return token, None if q is None else torch.softmax(logits.float(), -1), parts
 
 
 class OverconfidentQ(DraftModelDrafter):
     """Broken on purpose: draws each token from q but reports its scores doubled, i.e. a sharper q."""
 
-    def _next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, parts = super()._next(prefixes, drafts, logits, report, generator)
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, parts = super()._next(prefixes, drafts, logits, report)
         return token, None if q is None else torch.softmax(2.0 * q.log(), -1), parts
 
 
@@ -548,8 +548,8 @@ class ClampedDraft(DraftModelDrafter):
     def _fit(self, logits):
         return logits
 
-    def _next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, rest = super()._next(prefixes, drafts, logits, report, generator)
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
         return token.clamp_max(self.vocab - 1), q[:, : self.vocab], rest
 
 
@@ -568,8 +568,8 @@ class FirstPaddedId(DraftModelDrafter):
     """Broken: where the processors leave only ids past its rows, the draft reports q uniform on them
     but always draws the first."""
 
-    def _next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, rest = super()._next(prefixes, drafts, logits, report, generator)
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
         dead = q[:, : self.draft_vocab].sum(dim=-1) == 0
         return torch.where(dead, self.draft_vocab, token), q, rest
 
@@ -601,8 +601,8 @@ class UnwatermarkedQ(DraftModelDrafter):
         super().start(batch_size)
         self.unmarked = RowProcessors(processors(), batch_size)
 
-    def _next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, rest = super()._next(prefixes, drafts, logits, report, generator)
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, rest = super()._next(prefixes, drafts, logits, report)
         return token, logits_to_probs(self.unmarked.scores(prefixes, drafts, logits)), rest
 
 

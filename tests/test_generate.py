@@ -815,3 +815,53 @@ def test_state_one_call_leaves_for_the_next(tmp_path):
     after = torch.rand(2)
     torch.manual_seed(0)
     assert torch.equal(after, torch.rand(2))
+
+
+def test_what_is_reported_matches_what_happened():
+    """From a probe of the acceptance logs. (1) A batch without EOS whose rows a criterion stops decodes on
+    until the last stops, then cuts the rows that ran past it: records written before the cut still listed
+    the cut tokens as emitted. (2) A tree whose accepted branch ends at a leaf counted the next depth as
+    reached (no node was there to verify). (3) A source of one's own that proposed nothing counted an
+    n-gram round, not a plain step."""
+    target = tiny_model("llama", seed=0)
+    draft = perturbed(target, noise=0.02)
+
+    class StopOn(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return input_ids[:, -1] == 10
+
+    ids = torch.tensor([[0, 0, 0, 1, 5, 9, 2, 7], [1, 8, 8, 2, 3, 11, 12, 13]])
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    records = []
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False,
+                          stopping_criteria=StoppingCriteriaList([StopOn()]), custom_generate=hf_specdec.speculative_generate,
+                          assistant=draft, return_dict_in_generate=True, acceptance_sink=records.append,
+                          costs=hf_specdec.Costs(draft_step=0.05, verify=0.02))
+    assert torch.equal(out.sequences, target.generate(ids, attention_mask=mask, max_new_tokens=25, do_sample=False,
+                                                      stopping_criteria=StoppingCriteriaList([StopOn()])))
+    for row in range(2):
+        emitted = [t for r in records if r.row == row for t in r.emitted_tokens]
+        assert emitted == out.sequences[row, 8:].tolist() and len(emitted) == out.acceptance_per_row[row].emitted
+    assert sum(len(r.emitted_tokens) for r in records) == out.acceptance.emitted
+
+    records = []
+    out = target.generate(torch.tensor([[5, 6, 7, 5, 6, 7, 5, 6, 7, 5]]), max_new_tokens=30, do_sample=False,
+                          custom_generate=hf_specdec.speculative_generate, assistant=perturbed(target, noise=0.1),
+                          return_dict_in_generate=True, acceptance_sink=records.append,
+                          costs=hf_specdec.Costs(draft_step=0.05, verify=0.02))
+    reached = [0] * len(out.acceptance.reached_per_position)
+    for r in records:
+        last = r.path[-1] if r.path else -1
+        looked = r.num_accepted + (last in r.parents) if r.parents is not None else min(r.num_accepted + 1, len(r.draft_tokens))
+        for depth in range(looked):
+            reached[depth] += 1
+    assert any(r.parents is not None for r in records) and out.acceptance.reached_per_position == reached
+
+    records = []
+    out = target.generate(torch.tensor([[3, 4, 5, 6, 7, 8, 9, 11]]), max_new_tokens=12, do_sample=False,
+                          custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
+                          return_dict_in_generate=True, acceptance_sink=records.append)
+    empty = [r for r in records if not r.draft_tokens]
+    assert empty and all(r.source == "none" for r in empty)
+    assert out.acceptance.plain_rounds == len(empty) and out.acceptance.ngram_rounds == len(records) - len(empty)

@@ -103,8 +103,8 @@ def test_the_counter_sees_a_read_per_drafted_token(monkeypatch):
 
     original = draft_model.DraftModelDrafter._next
 
-    def reading_next(self, prefixes, drafts, logits, report, generator=None):
-        token, q, parts = original(self, prefixes, drafts, logits, report, generator)
+    def reading_next(self, prefixes, drafts, logits, report):
+        token, q, parts = original(self, prefixes, drafts, logits, report)
         [part.tolist() for part in parts]  # the old per-token read
         return token, q, parts
 

@@ -70,6 +70,7 @@ class DraftModelDrafter(Drafter):
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.generator = generator
+        self._drawing = generator  # what this round draws with: `generator`, else the call's (`DraftRequest.generator`)
         self.draft_vocab = model.get_output_embeddings().weight.shape[0]  # the rows the draft scores
         self.vocab = self.draft_vocab if vocab is None else vocab  # the rows it proposes over (the target's)
         if window is not None and window < 1:
@@ -161,12 +162,12 @@ class DraftModelDrafter(Drafter):
         if self.cache is None or not request.max_tokens:  # retired (see the class doc), or asked for nothing
             return Proposal.nothing(ids.shape[0], ids.device)
         probs, reports = [], []
+        self._drawing = self.generator if self.generator is not None else request.generator  # its own, else the call's
         for j in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
             logits = self._logits(ids, mask)  # [rows, vocab]
-            token, q, report = self._next(request.prefixes, ids[:, width:], logits, request.confidences,
-                                          self.generator if self.generator is not None else request.generator)
+            token, q, report = self._next(request.prefixes, ids[:, width:], logits, request.confidences)
             probs.append(q)
             reports.append(report)
             ids = torch.cat([ids, token[:, None]], dim=1)
@@ -194,7 +195,6 @@ class DraftModelDrafter(Drafter):
         drafts: torch.Tensor,  # [rows, j]: drafted so far this round
         logits: torch.Tensor,  # [rows, vocab]: raw draft logits
         report: bool,
-        generator: torch.Generator | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None, list[torch.Tensor]]:
         """(token [rows], q [rows, vocab] or None, and when `report` on the device: the draft's
         probability of the token, and for greedy drafts its runner-up and the runner-up's probability)."""
@@ -204,7 +204,7 @@ class DraftModelDrafter(Drafter):
             scores = torch.where(dead, self._uniform_past(scores), scores)
         if self.do_sample:
             q = logits_to_probs(scores)
-            token = sample(q, generator)
+            token = sample(q, self._drawing)
         else:
             q, token = None, scores.argmax(dim=-1)
         if not report:

@@ -22,7 +22,7 @@ from transformers.generation.logits_process import (ExponentialDecayLengthPenalt
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
 
-from .cache import UnsupportedCacheError, check_cache, column_bound, local_window
+from .cache import UnsupportedCacheError, check_cache, column_bound, forward_takes, local_window
 from .config import SETTINGS, SpeculativeConfig
 from .proposals import Drafter
 from .proposals.draft_model import inner_drafter
@@ -237,8 +237,7 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     """The windows of `model`'s attention (sliding-window cache layers, local attention); a named error for layers the loop cannot roll
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
-    forward = inspect.signature(type(model).forward).parameters
-    if "cache" not in forward and "past_key_values" not in forward:
+    if not (forward_takes(type(model), "cache") or forward_takes(type(model), "past_key_values")):
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) takes no key-value cache (a recurrent state of its own, as RWKV "
             "keeps): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")

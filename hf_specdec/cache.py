@@ -91,7 +91,7 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
         return why, why
     if kind == "bloom" or getattr(config, "alibi", False) is True:
         return None, "its ALiBi bias is built from a 2-D mask, and a tree forward passes a 4-D one"
-    if not _accepts(type(model), "position_ids"):
+    if not forward_takes(type(model), "position_ids"):
         why = f"{type(model).__name__} takes no position ids: it numbers tokens by their cache columns"
         return why, why
     return None, None
@@ -192,7 +192,8 @@ def add_row(
 
 
 @functools.lru_cache(maxsize=None)
-def _accepts(model_type: type, argument: str) -> bool:
+def forward_takes(model_type: type, argument: str) -> bool:
+    """Whether `model_type.forward` has a parameter named `argument` (read once per class)."""
     return argument in inspect.signature(model_type.forward).parameters
 
 
@@ -212,10 +213,10 @@ def extend(
     if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
-    elif _accepts(type(model), "position_ids"):  # given as generate() gives them: some models (RoBERTa's
+    elif forward_takes(type(model), "position_ids"):  # given as generate() gives them: some models (RoBERTa's
         # family) number from their padding id when given none
         position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids)
-    kwargs = {"logits_to_keep": num_logits} if _accepts(type(model), "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": num_logits} if forward_takes(type(model), "logits_to_keep") else {}
     out = model(
         input_ids=new_ids,
         attention_mask=attention_mask,
@@ -263,7 +264,7 @@ def extend_tree(
         torch.arange(past, past + pending, device=input_ids.device),
         past + pending + to_device(depth, input_ids.device),
     ])[None]
-    kwargs = {"logits_to_keep": n + 1} if _accepts(type(model), "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": n + 1} if forward_takes(type(model), "logits_to_keep") else {}
     out = model(
         input_ids=torch.cat([new_ids, tree_tokens], dim=1), attention_mask=mask, position_ids=positions,
         cache=cache, use_cache=True, return_dict=True, **kwargs,

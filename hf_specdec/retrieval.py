@@ -271,7 +271,8 @@ class RetrievalCache:
         with self._lock:  # a match longer than the index's n-grams is found by its last n-gram and measured
             for n in range(min(self.index_ngram, len(query)), min(min_match, self.index_ngram) - 1, -1):
                 found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
-                found = [f for f in found if f[2] >= min_match]
+                if n < min_match:  # only past the index's n-grams: keep the matches measured long enough
+                    found = [f for f in found if f[2] >= min_match]
                 if found:
                     return self._continuations(found, max_tokens, max_branches)
             return [], 0, []

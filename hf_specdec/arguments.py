@@ -293,13 +293,21 @@ def _generate_frame():
     return None
 
 
+def dropped_streamer(spec_streamer: BaseStreamer | None) -> BaseStreamer | None:
+    """The `streamer=` that transformers' generate() kept from a callable `custom_generate` (None where
+    there is none, it is `spec_streamer`, or the call is direct): the caller ends it on any error."""
+    frame = _generate_frame()
+    dropped = None if frame is None else frame.f_locals.get("streamer")
+    return None if dropped is spec_streamer else dropped
+
+
 def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, num_return_sequences: int = 1) -> None:
     """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
     `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
-    No public route hands the object over, so it is found in generate()'s own frame, ended (the
-    consumer wakes up) and refused with an error naming the two forms that stream. An `assistant_model`
-    consumed the same way beside another `assistant` is refused too; and a direct call (no generate()
-    frame) asking for `num_return_sequences > 1`, which only generate() expands."""
+    No public route hands the object over, so it is found in generate()'s own frame (`dropped_streamer`;
+    the caller ends it, and the consumer wakes up) and refused with an error naming the two forms that
+    stream. An `assistant_model` consumed the same way beside another `assistant` is refused too; and a
+    direct call (no generate() frame) asking for `num_return_sequences > 1`, which only generate() expands."""
     frame = _generate_frame()
     if frame is None:
         if (num_return_sequences or 1) > 1:
@@ -317,7 +325,6 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, 
     dropped = frame.f_locals.get("streamer")
     if dropped is None or dropped is spec_streamer:
         return
-    dropped.end()
     raise StreamerNotForwardedError(
         "streamer= does not reach a callable custom_generate (transformers consumes it and would stream only the "
         "prompt); pass spec_streamer=your_streamer instead, or use the directory form "

@@ -25,8 +25,8 @@ from transformers.generation.stopping_criteria import MaxTimeCriteria
 from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings, refuse_dropped_streamer,
-                        validate, validate_retrieval_cache)
+from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings,
+                        dropped_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
@@ -92,6 +92,7 @@ def speculative_generate(
     sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
     own = {k: v for k, v in locals().items() if k in OWN_ARGUMENTS}
     stream = streamer or spec_streamer
+    dropped = None if streamer is not None else dropped_streamer(spec_streamer)  # generate() kept it: ended on errors
     try:
         config = check_arguments(own)  # before any model work
         logits_processor, stopping_criteria, generation_config = call_defaults(logits_processor, stopping_criteria,
@@ -110,19 +111,20 @@ def speculative_generate(
         _run(state, prompt=input_ids if streamer is None and spec_streamer is not None else None)
         output = _finish(state)
     except BaseException:  # validation included: a consumer iterating the streamer must not wait forever
-        _end_quietly(stream)
+        _end_quietly(stream, dropped)
         raise
     if stream is not None:  # last, once: a failure above ends it quietly instead
         stream.end()
     return output
 
 
-def _end_quietly(streamer: BaseStreamer | None) -> None:
-    if streamer is not None:
-        try:
-            streamer.end()
-        except Exception:
-            pass
+def _end_quietly(*streamers: BaseStreamer | None) -> None:
+    for streamer in streamers:
+        if streamer is not None:
+            try:
+                streamer.end()
+            except Exception:
+                pass
 
 
 def _run(state: "DecodeState", prompt: torch.Tensor | None = None) -> None:

@@ -509,6 +509,15 @@ def test_streamer_with_the_callable_form_is_refused_and_ended(models):
                         custom_generate=hf_specdec.speculative_generate, assistant=draft)
     consumer.join(timeout=10)
     assert not consumer.is_alive(), "the consumer must not be left waiting"
+    # an argument refused first (before: the kept streamer was never ended), and ended once either way
+    for bad in (dict(num_draft_tokens=-1), {}):
+        ends = []
+        streamer = TextIteratorStreamer(Spaces(), timeout=30)
+        streamer.end = lambda ends=ends: ends.append(1)
+        with pytest.raises(ValueError, match="num_draft_tokens" if bad else "spec_streamer="):
+            target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, streamer=streamer,
+                            custom_generate=hf_specdec.speculative_generate, assistant=draft, **bad)
+        assert len(ends) == 1, bad
 
 
 def test_a_second_draft_given_as_assistant_model_is_refused(models):

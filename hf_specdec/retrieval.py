@@ -23,7 +23,7 @@ earlier rounds of other rows): it does not depend on this round's random numbers
 rule keeps the output distribution the target's. Rows append their emitted tokens after each round;
 another row sees them from the next round on.
 
-Memory is bounded by `max_tokens` (oldest sequences evicted first); every method holds one lock, so
+Memory is bounded by `max_tokens` (the oldest tenth or so evicted at once, nothing rebuilt); one lock, so
 calls in several threads of one process may share a cache; `save` / `load` keep it on disk as JSON.
 """
 
@@ -83,14 +83,19 @@ def _token_id(token) -> int:
 
 class _Finished:
     """Finished sequences one after another (SEPARATOR after each) and the index from each n-gram
-    (n = 1..index_ngram) to the positions just after its occurrences."""
+    (n = 1..index_ngram) to the positions just after its occurrences. The cache holds several, oldest
+    first, and evicts by dropping the oldest whole: nothing is rebuilt, so no lookup waits on it."""
 
     def __init__(self, index_ngram: int):
         self.index_ngram = index_ngram
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
+        self.lengths: list[int] = []  # each sequence's length here, its separator included
+        self.largest = -1  # the largest id held
 
     def add(self, sequence: list[int]) -> None:
+        self.lengths.append(len(sequence) + 1)
+        self.largest = max([self.largest, *sequence])
         for token in sequence:
             self.tokens.append(token)
             end = len(self.tokens)
@@ -99,13 +104,6 @@ class _Finished:
                     break
                 self.index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
         self.tokens.append(SEPARATOR)
-
-    def matches(self, query: list[int], n: int, most: int, cap: int) -> list[tuple[list[int], int, int]]:
-        """(tokens, end, match length) of the most recent `most` occurrences of the query's last n
-        tokens that something follows."""
-        ends = self.index.get(tuple(query[len(query) - n :]), [])[-most:]
-        return [(self.tokens, end, _measure(self.tokens, end, query, n, cap)) for end in reversed(ends)
-                if self.tokens[end] != SEPARATOR]  # most recent first
 
     def bytes(self) -> int:
         return _bytes(self.tokens, self.index, 1)
@@ -199,8 +197,8 @@ class RetrievalCache:
         self.max_tokens, self.context, self.index_ngram = max_tokens, context, index_ngram
         self.max_match, self.max_occurrences = max(max_match, index_ngram), max_occurrences
         self._lock = threading.RLock()
-        self._finished = _Finished(index_ngram)
-        self._lengths: deque[int] = deque()  # each finished sequence's length in the store, oldest first
+        # finished sequences in segments of about a tenth of max_tokens, oldest first (`_add`)
+        self._finished: deque[_Finished] = deque([_Finished(index_ngram)])
         self._open = _Open(index_ngram)  # sequences being generated, by key (a row of a call)
         # P(a token it proposes is accepted), per match size: learned by every call that uses the cache
         # (each call's planner holds this object), so a later call starts from what earlier ones saw
@@ -270,7 +268,7 @@ class RetrievalCache:
             return [], 0, []
         with self._lock:  # a match longer than the index's n-grams is found by its last n-gram and measured
             for n in range(min(self.index_ngram, len(query)), min(min_match, self.index_ngram) - 1, -1):
-                found = self._finished.matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
+                found = self._matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
                 if n < min_match:  # only past the index's n-grams: keep the matches measured long enough
                     found = [f for f in found if f[2] >= min_match]
                 if found:
@@ -282,20 +280,22 @@ class RetrievalCache:
     def __len__(self) -> int:
         """Tokens held (prompt context and one separator per finished sequence included)."""
         with self._lock:
-            return len(self._finished.tokens) + len(self._open)
+            return sum(len(f.tokens) for f in self._finished) + len(self._open)
 
     def memory_bytes(self) -> int:
         """An estimate of the memory held: token lists, the indexes' keys and entries."""
         with self._lock:
-            return self._finished.bytes() + self._open.bytes()
+            return sum(f.bytes() for f in self._finished) + self._open.bytes()
 
     def save(self, path: str | Path) -> None:
         """Write the finished sequences and the settings (JSON); sequences still open are not saved."""
         with self._lock:
-            sequences, start = [], 0
-            for length in self._lengths:
-                sequences.append(self._finished.tokens[start : start + length - 1])
-                start += length
+            sequences = []
+            for finished in self._finished:
+                start = 0
+                for length in finished.lengths:
+                    sequences.append(finished.tokens[start : start + length - 1])
+                    start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
             learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
@@ -370,23 +370,28 @@ class RetrievalCache:
             return
         tokens = tokens[-max(1, int(0.9 * self.max_tokens) - 1) :]  # one sequence longer than the cache: its tail
         self._remember(tokens)  # what is kept (a sequence's cut head holds no id a target must embed)
-        self._finished.add(tokens)
-        self._lengths.append(len(tokens) + 1)
-        if len(self._finished.tokens) > self.max_tokens:
-            self._evict()
+        if len(self._finished[-1].tokens) >= max(1, self.max_tokens // 10):
+            self._finished.append(_Finished(self.index_ngram))
+        self._finished[-1].add(tokens)
+        held = sum(len(f.tokens) for f in self._finished)
+        if held > self.max_tokens:  # the oldest segments go whole (about a tenth each), the newest stays
+            while len(self._finished) > 1 and held > self.max_tokens:
+                held -= len(self._finished.popleft().tokens)
+            self.max_token_id = max([-1, *(f.largest for f in self._finished),
+                                     *(max(t, default=-1) for t in self._open.tokens.values())])
 
-    def _evict(self) -> None:
-        """Drop the oldest finished sequences down to 90% of `max_tokens`, and rebuild the index."""
-        tokens, lengths = self._finished.tokens, list(self._lengths)
-        held = len(tokens)
-        while lengths and held > 0.9 * self.max_tokens:
-            held -= lengths.pop(0)
-        self._finished, self._lengths = _Finished(self.index_ngram), deque()
-        start = len(tokens) - held
-        for length in lengths:
-            self._add(tokens[start : start + length - 1])
-            start += length
-        self.max_token_id = max([-1, *self._finished.tokens, *(max(t, default=-1) for t in self._open.tokens.values())])
+    def _matches(self, query: list[int], n: int, most: int, cap: int) -> list[tuple[list[int], int, int]]:
+        """(tokens, end, match length) of the most recent `most` occurrences of the query's last n tokens
+        in the finished sequences, those that something follows, most recent first."""
+        found, gram = [], tuple(query[len(query) - n :])
+        for finished in reversed(self._finished):
+            ends = finished.index.get(gram, [])[-most:]
+            found += [(finished.tokens, end, _measure(finished.tokens, end, query, n, cap)) for end in reversed(ends)
+                      if finished.tokens[end] != SEPARATOR]
+            most -= len(ends)
+            if most <= 0:
+                return found
+        return found
 
     def _continuations(self, found: list[tuple[list[int], int, int]], max_tokens: int,
                        max_branches: int) -> tuple[list[list[int]], int, list[list[float]]]:

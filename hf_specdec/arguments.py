@@ -487,6 +487,9 @@ def _validate_drafter(model: PreTrainedModel, candidate_generator, rows: int, wh
 def _validate_rows(candidate_generator, rows: int, what: str) -> None:
     """A candidate_generator asked for more rows than it proposes for (a transformers one: 1)."""
     most = candidate_generator.max_rows if isinstance(candidate_generator, Drafter) else 1
+    if most is not None and (isinstance(most, bool) or not isinstance(most, numbers.Integral) or most < 1):
+        raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}).max_rows must be a positive "
+                         f"integer or None (any batch), got {most!r}")
     if candidate_generator is not None and most is not None and rows > most:
         raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
                          f"time; {what}")

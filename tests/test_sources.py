@@ -45,6 +45,10 @@ BAD = {
     "more than asked for": (lambda r: Proposal(torch.tensor([[5] * (r.max_tokens + 1)]), None, "x"), "more than the"),
     "nothing": (lambda r: None, "a NoneType, not an hf_specdec Proposal"),
     "a q of another width": (lambda r: Proposal(torch.tensor([[5]]), torch.ones(1, 1, 60) / 60, "x"), r"vocab=64\]"),
+    # raw NotImplementedError / TypeError before
+    "tokens on the meta device": (lambda r: Proposal(torch.zeros(1, 1, dtype=torch.long, device="meta"), None, "x"), "meta"),
+    "q on the meta device": (lambda r: Proposal(torch.tensor([[5]]), torch.ones(1, 1, 64, device="meta") / 64, "x"), "meta"),
+    "a host that is not a list per row": (lambda r: Proposal(torch.tensor([[5]]), None, "x", host=[5]), "a list of token ids per row"),
 }
 
 
@@ -62,6 +66,59 @@ def test_bad_answers_to_room_are_named():
     source = Fn(lambda r: Proposal(torch.tensor([[5]]), None, "x"), room=2.5)
     with pytest.raises(ValueError, match=r"\(Fn\).room\(\) must return an integer >= 0, got 2.5"):
         target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=source, max_new_tokens=4)
+
+
+class NewTokensOnly(CandidateGenerator):
+    """A transformers generator that forgot the prefix: candidate_ids are the new tokens alone."""
+
+    def get_candidates(self, input_ids):
+        return input_ids[:, -1:].repeat(1, 3), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        pass
+
+
+def test_max_rows_and_candidates_without_the_prefix_are_named():
+    """Before: max_rows="2" was a TypeError; candidates without the input_ids were read as proposing
+    nothing, every round, without a word."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    source = Fn(lambda r: Proposal(torch.tensor([[5]]), None, "x"))
+    source.max_rows = "2"
+    with pytest.raises(ValueError, match=r"\(Fn\).max_rows must be a positive integer or None"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=source, max_new_tokens=4)
+    with pytest.raises(ValueError, match="start with the input_ids it was given .length 8.*only the new tokens"):
+        target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=NewTokensOnly(),
+                        max_new_tokens=4, adaptive=False)
+
+
+class Scribbler(Drafter):
+    """A careless source that writes into the ids it is given."""
+
+    def propose(self, request):
+        request.ids[:, -1] = 60
+        request.host[0].append(60)
+        return Proposal(request.ids[:, -1:].repeat(1, min(2, request.max_tokens)), None, "scribbler")
+
+
+class ScribblerGenerator(CandidateGenerator):
+    def get_candidates(self, input_ids):
+        input_ids[:, -1] = 3
+        return torch.cat([input_ids, input_ids[:, -1:]], 1), None
+
+    def update_candidate_strategy(self, input_ids, scores, num_matches):
+        input_ids[:, 0] = 4
+
+
+@pytest.mark.parametrize("source", [Scribbler, ScribblerGenerator])
+def test_a_source_writing_into_its_request_changes_nothing(source):
+    """Before: the output differed from plain greedy and the caller's input_ids were rewritten (the loop's
+    work sequence starts as the caller's tensor, and the source was handed it)."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    ids = PROMPT.clone()
+    out = target.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+                          candidate_generator=source(), adaptive=False, num_draft_tokens=2)
+    assert torch.equal(ids, PROMPT)
+    assert out.tolist() == target.generate(PROMPT, max_new_tokens=16, do_sample=False).tolist()
 
 
 class WholeSequenceLogits(CandidateGenerator):

@@ -12,6 +12,7 @@ were drawn from cannot be detected; that stays the source's contract (docs/usage
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -42,7 +43,7 @@ class CheckedDrafter(Drafter):
         self.inner.add_row(ids, mask)
 
     def update(self, ids: torch.Tensor, target_scores: torch.Tensor, num_accepted: int) -> None:
-        self.inner.update(ids, target_scores, num_accepted)
+        self.inner.update(ids.clone(), target_scores, num_accepted)
 
     def room(self, longest: int) -> int | None:
         room = self.inner.room(longest)
@@ -54,7 +55,11 @@ class CheckedDrafter(Drafter):
         return self._count("prefill_tokens", self.inner.prefill_tokens(width))
 
     def propose(self, request: DraftRequest) -> Proposal:
-        return self.check(self.inner.propose(request), request)
+        # copies of the work sequence: one written in place would change the output (and at first the
+        # caller's input_ids, which the loop starts from) without a word
+        mine = dataclasses.replace(request, ids=request.ids.clone(), host=[list(row) for row in request.host],
+                                   mask=None if request.mask is None else request.mask.clone())
+        return self.check(self.inner.propose(mine), request)
 
     def _count(self, what: str, value) -> int:
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
@@ -74,6 +79,12 @@ class CheckedDrafter(Drafter):
                 or tokens.is_floating_point() or tokens.is_complex() or tokens.dtype == torch.bool:
             shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             self._fail(f"tokens {shape}: they must be an integer tensor [rows={rows}, k]")
+        for name, value in (("tokens", tokens), ("draft_probs", proposal.draft_probs)):
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                self._fail(f"{name} on the meta device, which holds no values")
+        if proposal.host is not None and (not isinstance(proposal.host, (list, tuple))
+                                          or not all(isinstance(row, (list, tuple)) for row in proposal.host)):
+            self._fail(f"host={proposal.host!r}: Proposal.host is a list of token ids per row (or None)")
         if tokens.shape[1] > request.max_tokens:
             self._fail(f"{tokens.shape[1]} tokens a row, more than the {request.max_tokens} asked for (request.max_tokens)")
         if proposal.tree is not None:  # trees are built in the loop (greedy), never taken from a source

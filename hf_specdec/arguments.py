@@ -293,21 +293,23 @@ def _generate_frame():
     return None
 
 
-def dropped_streamer(spec_streamer: BaseStreamer | None) -> BaseStreamer | None:
-    """The `streamer=` that transformers' generate() kept from a callable `custom_generate` (None where
-    there is none, it is `spec_streamer`, or the call is direct): the caller ends it on any error."""
+def kept_streamer() -> BaseStreamer | None:
+    """The `streamer=` that transformers' generate() kept from a callable `custom_generate`, having put the
+    prompt into it (None where there is none, or the call is direct)."""
     frame = _generate_frame()
-    dropped = None if frame is None else frame.f_locals.get("streamer")
-    return None if dropped is spec_streamer else dropped
+    return None if frame is None else frame.f_locals.get("streamer")
 
 
-def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, num_return_sequences: int = 1) -> None:
+def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, num_return_sequences: int = 1,
+                            model=None) -> None:
     """transformers' generate() takes `streamer=` itself, puts the prompt into it and calls a callable
     `custom_generate` without it; a consumer iterating a `TextIteratorStreamer` would then wait forever.
-    No public route hands the object over, so it is found in generate()'s own frame (`dropped_streamer`;
+    No public route hands the object over, so it is found in generate()'s own frame (`kept_streamer`;
     the caller ends it, and the consumer wakes up) and refused with an error naming the two forms that
-    stream. An `assistant_model` consumed the same way beside another `assistant` is refused too; and a
-    direct call (no generate() frame) asking for `num_return_sequences > 1`, which only generate() expands."""
+    stream. An `assistant_model` consumed the same way beside another `assistant` is refused too, as is
+    `synced_gpus` (asked for, or detected under ZeRO-3 / FSDP), which generate() keeps from a callable;
+    and a direct call (no generate() frame) asking for `num_return_sequences > 1`, which only generate()
+    expands."""
     frame = _generate_frame()
     if frame is None:
         if (num_return_sequences or 1) > 1:
@@ -322,6 +324,9 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, 
                          + ("pass the draft as assistant=draft" if assistant is None else
                             "a second draft was given as assistant=: pass one draft, as assistant=draft")
                          + " (or use the directory form, which takes assistant_model=)")
+    synced = frame.f_locals.get("synced_gpus")
+    if synced or (synced is None and model is not None and _sharded_across_processes(model)):
+        _validate_strategy(GenerationConfig(max_length=1), synced_gpus=True)
     dropped = frame.f_locals.get("streamer")
     if dropped is None or dropped is spec_streamer:
         return
@@ -331,6 +336,18 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, 
         "custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, which takes streamer=. "
         "The streamer has been ended."
     )
+
+
+def _sharded_across_processes(model) -> bool:
+    """What generate() turns `synced_gpus=None` into: ZeRO-3 or FSDP over more than one process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return False
+    from transformers.integrations import is_deepspeed_zero3_enabled
+    from transformers.integrations.fsdp import is_fsdp_managed_module
+
+    return bool(is_deepspeed_zero3_enabled() or is_fsdp_managed_module(model))
 
 
 OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator", "spec_streamer",

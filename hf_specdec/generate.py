@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings,
-                        dropped_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
+                        kept_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
 from .batch import RaggedBatch
 from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
@@ -87,18 +87,18 @@ def speculative_generate(
     """Speculative decoding as a transformers custom generation strategy. Beyond what `generate()`
     passes: the draft (`assistant`, or a `candidate_generator`), `acceptance_sink`, `generator`,
     `spec_streamer`, the `SpeculativeConfig` settings one by one or as `speculative_config` (explicit
-    ones win), `retrieval_cache` (earlier outputs as a retrieval source; its rows join it) and
-    `requests` (continuous batching); docs/usage.md documents each. Returns the
-    sequences, or with `return_dict_in_generate=True` a `SpeculativeDecoderOnlyOutput`."""
+    ones win), `retrieval_cache` (earlier outputs as a retrieval source; its rows join it) and `requests`
+    (continuous batching); docs/usage.md documents each. Returns the sequences, or a `SpeculativeDecoderOnlyOutput`."""
     own = {k: v for k, v in locals().items() if k in OWN_ARGUMENTS}
     stream = streamer or spec_streamer
-    dropped = None if streamer is not None else dropped_streamer(spec_streamer)  # generate() kept it: ended on errors
+    kept = None if streamer is not None else kept_streamer()  # generate() put the prompt into it
+    dropped = None if kept is spec_streamer else kept  # refused below, and ended on any error
     try:
         config = check_arguments(own)  # before any model work
         logits_processor, stopping_criteria, generation_config = call_defaults(logits_processor, stopping_criteria,
                                                                                generation_config)
         if streamer is None:
-            refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences)
+            refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences, model)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
                  streaming=stream is not None)
         validate_retrieval_cache(model, retrieval_cache)
@@ -107,8 +107,8 @@ def speculative_generate(
                 config, logits_processor, stopping_criteria, candidate_generator, input_ids, stream, requests.max_batch_size)
         state = _start(model, input_ids, logits_processor, stopping_criteria, generation_config, config, assistant,
                        candidate_generator, generator, stream, acceptance_sink, model_kwargs, requests, retrieval_cache)
-        # generate() sends the prompt to a `streamer=` it forwards; not to ours
-        _run(state, prompt=input_ids if streamer is None and spec_streamer is not None else None)
+        # generate() sends the prompt to a `streamer=` it forwards or keeps; not to ours
+        _run(state, prompt=None if streamer is not None or kept is spec_streamer else input_ids)
         output = _finish(state)
     except BaseException:  # validation included: a consumer iterating the streamer must not wait forever
         _end_quietly(stream, dropped)

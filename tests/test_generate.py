@@ -116,6 +116,60 @@ def test_token_healing_in_the_directory_form_heals_as_plain_generate():
     out = target.generate(prompt, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
                           assistant_model=draft, **kwargs)
     assert torch.equal(out, target.generate(prompt, **kwargs))
+    # a prompt starting with BOS, which healing turns into the pad id: plain generate() took the mask before
+    # healing and attends it; before, the directory form let transformers infer one that hid it (greedy differed)
+    from tokenizers import processors
+
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tokenizer.bos_token_id)])
+    bos = tokenizer("hello there", return_tensors="pt").input_ids
+    assert target.heal_tokens(bos, tokenizer)[0, 0] == tokenizer.pad_token_id != tokenizer.eos_token_id
+    for mask in ({}, dict(attention_mask=torch.ones_like(bos))):
+        out = target.generate(bos, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                              assistant_model=draft, **mask, **kwargs)
+        assert torch.equal(out, target.generate(bos, **mask, **kwargs))
+
+
+def test_the_directory_form_refuses_what_it_would_drop():
+    """Before: assistant= beside assistant_model= was used instead of it, spec_streamer= beside streamer=
+    left the streamer without a token or an end, and cache_implementation='paged' ran transformers' own
+    continuous batching without the draft (and returned a bare tensor under return_dict_in_generate)."""
+    target = tiny_model("llama", seed=8)
+    draft, other = perturbed(target, noise=0.5), perturbed(target, noise=0.9)
+    form = dict(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="both assistant_model= and assistant= were given"):
+        target.generate(PROMPT, assistant_model=draft, assistant=other, **form)
+    mine, theirs = BaseStreamer(), BaseStreamer()
+    with pytest.raises(ValueError, match="both streamer= and spec_streamer= were given"):
+        target.generate(PROMPT, assistant_model=draft, streamer=mine, spec_streamer=theirs, **form)
+    with pytest.raises(ValueError, match="cache_implementation='paged'.*generate_continuous"):
+        target.generate(PROMPT, assistant_model=draft, cache_implementation="paged", **form)
+    out = target.generate(PROMPT, assistant_model=draft, assistant=draft, **form)  # one draft under both names
+    assert torch.equal(out, target.generate(PROMPT, max_new_tokens=4, do_sample=False))
+
+
+def test_synced_gpus_and_one_streamer_under_both_names_in_the_callable_form():
+    """Before: generate() keeps synced_gpus from a callable (passing False), so synced_gpus=True decoded
+    without syncing; the same streamer as streamer= and spec_streamer= got the prompt twice."""
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    with pytest.raises(ValueError, match="does not support synced_gpus"):
+        spec(target, draft, max_new_tokens=4, do_sample=False, synced_gpus=True)
+
+    class Puts(BaseStreamer):
+        def __init__(self):
+            self.puts, self.ends = [], 0
+
+        def put(self, value):
+            self.puts.append(value.reshape(-1).tolist())
+
+        def end(self):
+            self.ends += 1
+
+    streamer = Puts()
+    out = spec(target, draft, max_new_tokens=6, do_sample=False, streamer=streamer, spec_streamer=streamer)
+    assert streamer.puts[0] == PROMPT[0].tolist() and streamer.ends == 1
+    assert sum(streamer.puts[1:], []) == out[0, PROMPT.shape[1] :].tolist()
 
 
 def test_what_plain_generate_stops_on_is_what_hf_specdec_stops_on():

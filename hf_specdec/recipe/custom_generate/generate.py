@@ -7,6 +7,7 @@ It re-enters `model.generate` with the callable form, which does all of generate
 
 import copy
 
+import torch
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
@@ -46,10 +47,15 @@ def _arguments(model, assistant_model, streamer, kwargs):
     done here with the tokenizer (transformers drops it on the way to a callable)."""
     kwargs.pop("custom_generate", None)
     kwargs.pop("trust_remote_code", None)
-    if assistant_model is not None:
-        kwargs.setdefault("assistant", assistant_model)
-    if streamer is not None:
-        kwargs.setdefault("spec_streamer", streamer)
+    for name, mine, theirs in (("assistant", "assistant_model", assistant_model), ("spec_streamer", "streamer", streamer)):
+        if theirs is not None and kwargs.get(name) is not None and kwargs[name] is not getattr(theirs, "streamer", theirs):
+            raise ValueError(f"both {mine}= and {name}= were given: the directory form takes {mine}=; pass one")
+        if theirs is not None:
+            kwargs[name] = theirs
+    if kwargs.get("cache_implementation") == "paged":  # generate() would run its own continuous batching instead
+        raise ValueError("cache_implementation='paged' is transformers' continuous batching, which would run instead of "
+                         "hf_specdec (without the draft); hf_specdec supports DynamicCache only: for many prompts use "
+                         "hf_specdec.generate_continuous")
     passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
     if kwargs.get("token_healing", getattr(passed or model.generation_config, "token_healing", False)):
         _heal(model, kwargs)
@@ -78,8 +84,22 @@ def _heal(model, kwargs):
     if kwargs.get("tokenizer") is None:
         raise ValueError("token_healing needs the tokenizer: pass tokenizer=... to generate()")
     key = "inputs" if kwargs.get("inputs") is not None else "input_ids"
-    kwargs[key] = model.heal_tokens(kwargs[key], kwargs["tokenizer"])
-    kwargs["token_healing"] = False
+    ids = kwargs[key]
     mask = kwargs.get("attention_mask")
-    if mask is not None and bool(mask.all()):  # plain generate() drops an all-ones mask before healing
-        kwargs.pop("attention_mask")
+    mask = _inferred_mask(model, kwargs, ids) if mask is None else mask
+    kwargs[key] = healed = model.heal_tokens(ids, kwargs["tokenizer"])
+    kwargs["token_healing"] = False
+    # plain generate() takes the mask from the ids before healing: a BOS healed into the pad id stays attended
+    # (inferred from the healed ids, it would read as left padding); all ones, it is dropped, whatever the length
+    kwargs["attention_mask"] = torch.ones_like(healed) if bool(mask.all()) else mask
+
+
+def _inferred_mask(model, kwargs, ids):
+    """The attention mask generate() infers from the ids: padding where the pad id (not an EOS id) occurs."""
+    config = kwargs.get("generation_config") or model.generation_config
+    pad = kwargs.get("pad_token_id", config.pad_token_id)
+    eos = kwargs.get("eos_token_id", config.eos_token_id)
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    if pad is None or pad in eos or not bool((ids == pad).any()):  # no pad id: generate() uses EOS's, so no inference
+        return torch.ones_like(ids)
+    return ids.ne(pad).long()

@@ -132,6 +132,7 @@ def validate(
                                     f"tokens leave masked holes, and {holes}. Generate one row at a time.")
     _validate_window(windows, input_ids, generation_config)
     _validate_same_function(model)
+    _validate_rope(model.config, generation_config.max_length)
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
@@ -510,6 +511,27 @@ def _validate_rows(candidate_generator, rows: int, what: str) -> None:
     if candidate_generator is not None and most is not None and rows > most:
         raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
                          f"time; {what}")
+
+
+def _validate_rope(config, max_length: int) -> None:
+    """Rotary frequencies that transformers picks by the longest position a forward covers ("dynamic" NTK
+    and "longrope"): they switch once a forward passes the original context. A verify forward covers
+    positions ahead of plain decoding's one-token step, so past that point they switch earlier."""
+    params = getattr(config, "rope_parameters", None) or {}
+    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    for group in groups:
+        kind = str(group.get("rope_type", group.get("type", "")))
+        if "dynamic" not in kind and kind != "longrope":
+            continue
+        limit = min(v for v in (group.get("original_max_position_embeddings"), config.max_position_embeddings,
+                                getattr(config, "original_max_position_embeddings", None)) if isinstance(v, int))
+        if max_length > limit:
+            raise ValueError(
+                f"the target's rotary embedding is {kind!r}: transformers chooses its frequencies by the longest "
+                f"position each forward covers, and they change past {limit} positions. Verifying several tokens "
+                f"reaches a position before plain decoding does, so past {limit} the output would differ from "
+                f"plain decoding; this call may reach {max_length} (max_length). Generate up to {limit} tokens "
+                "in all (prompt included), or use plain generate().")
 
 
 def _validate_same_function(model: PreTrainedModel) -> None:

@@ -47,6 +47,8 @@ class RaggedBatch:
         max_new_tokens: int,  # each row generates at most this many tokens
     ):
         batch = prompt.shape[0]
+        if attention_mask is not None and attention_mask.dtype != torch.long:  # a float or bool mask, as plain takes
+            attention_mask = attention_mask.ne(0).long()  # (columns are counted and sliced by it on the host)
         self.prompts = list(prompt.unbind(0))  # per original row: what processors see before its tokens
         self.limits = [max_new_tokens] * batch  # per original row
         self.ids = prompt  # [active, seq]: the work sequence (with holes)

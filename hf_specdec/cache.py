@@ -50,6 +50,16 @@ def make_rollbackable(cache: Cache) -> Cache:
     return cache
 
 
+def stop_recording(cache: Cache) -> None:
+    """Undo `make_rollbackable` as the call ends: each sliding-window layer cut to its window and past recording
+    off, as plain decoding leaves it (a later plain call would otherwise keep every column it adds)."""
+    for layer in cache.layers:
+        if getattr(layer, "record_past", False) and getattr(layer, "is_sliding", False):
+            if layer.get_seq_length() >= layer.sliding_window:
+                layer.crop(0)  # with recording on: keeps the window's last columns
+            layer.record_past = False
+
+
 def rollback(caches: Iterable[Cache | None], length: int) -> None:
     """Cut every cache back to its first `length` positions (no-op for a cache already shorter).
 
@@ -94,6 +104,8 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
     if not forward_takes(type(model), "position_ids"):
         why = f"{type(model).__name__} takes no position ids: it numbers tokens by their cache columns"
         return why, why
+    if getattr(config, "_attn_implementation", None) == "flex_attention":  # seen with torch 2.13 on a CPU
+        return None, "a flex-attention forward with a tree's 4-D mask aborts the process (a torch bug)"
     return None, None
 
 

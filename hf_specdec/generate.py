@@ -28,7 +28,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings,
                         kept_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
 from .batch import RaggedBatch
-from .cache import UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback
+from .cache import (UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback,
+                    stop_recording)
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests, learned_positions
 from .planner import CostEstimates, Planner
@@ -333,8 +334,10 @@ def _settle_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:
     if state.requests is None and sequences.shape[0] == 1:  # a single row never has holes
         rollback([state.cache], sequences.shape[1] - 1)
         if state.cache.get_seq_length() == sequences.shape[1] - 1:
+            stop_recording(state.cache)
             return state.cache
     state.cache.reset()
+    stop_recording(state.cache)
     return None
 
 
@@ -363,10 +366,10 @@ class _Outputs:
                 per_row.append([])
 
     def add(self, row: int, scores: torch.Tensor, logits: torch.Tensor) -> None:  # [n, vocab] each
-        if self.scores is not None:
-            self.scores[row].extend(scores.unbind(0))
+        if self.scores is not None:  # [1, vocab] each: the stopping criteria read them as plain passes them
+            self.scores[row].extend(scores.split(1))
         if self.logits is not None:
-            self.logits[row].extend(logits.float().unbind(0))
+            self.logits[row].extend(logits.float().split(1))
 
     def stacked(self) -> tuple[tuple[torch.Tensor, ...] | None, tuple[torch.Tensor, ...] | None]:
         """One [batch, vocab] tensor per generated position, like transformers; a row that had
@@ -381,8 +384,6 @@ class _Outputs:
         # compute_transition_scores gives it log-probability 0, as padding (all -inf would give NaN).
         filler = torch.full_like(template, -float("inf"))
         if 0 <= self.pad_token_id < filler.shape[-1]:  # a pad id outside the vocabulary: all -inf, as before
-            filler[self.pad_token_id] = 0.0
+            filler[:, self.pad_token_id] = 0.0
         longest = max(len(row) for row in per_row)
-        return tuple(
-            torch.stack([row[t] if t < len(row) else filler for row in per_row]) for t in range(longest)
-        )
+        return tuple(torch.cat([row[t] if t < len(row) else filler for row in per_row]) for t in range(longest))

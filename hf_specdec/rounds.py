@@ -454,11 +454,15 @@ def _criteria(state: DecodeState, verdict: Verdict) -> tuple[list[torch.Tensor],
     free = reads_are_free(verdict.emitted.device)
     for i, tokens in enumerate(verdict.tokens):
         row = []
+        # the scores as plain decoding hands them over: every step's so far ([1, vocab] each: this row's), or
+        # None where output_scores is off
+        earlier = None if state.outputs.scores is None else state.outputs.scores[state.batch.rows[i]]
         try:
             before = state.batch.real_sequence(i)  # [1, len]
             sequence = torch.cat([before, verdict.emitted[i : i + 1, : len(tokens)]], dim=1)
             for j in range(len(tokens)):
-                stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], verdict.target_scores[i, j : j + 1])
+                scores = None if earlier is None else (*earlier, *verdict.target_scores[i, : j + 1].split(1))
+                stop = state.stopping_criteria(sequence[:, : before.shape[1] + j + 1], scores)
                 if isinstance(stop, torch.Tensor) and stop.numel() != 1:  # a shape: no device read
                     raise ValueError(_ROW_BY_ROW.format(stop.numel()))
                 on_host = not isinstance(stop, torch.Tensor)

@@ -159,3 +159,31 @@ def test_mla_models_batch_and_stream():
     for result, prompt in zip(results, prompts):
         plain = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=12)[0, len(prompt):]
         assert result.ok and torch.equal(result.tokens, plain)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [16.0] * 8,
+     "original_max_position_embeddings": 16},
+    {"rope_type": "dynamic", "factor": 8.0, "rope_theta": 10000.0},
+])
+def test_rotary_frequencies_chosen_by_a_forwards_length_are_refused_past_their_switch(rope):
+    """Before: greedy differed silently once a verify forward reached past the original context (transformers
+    picks "longrope" and "dynamic" frequencies by the longest position a forward covers). Within it, exact."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(1)
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, max_position_embeddings=64 if rope["rope_type"] == "longrope" else 16,
+                         rope_parameters=rope)
+    target = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # sharper attention, so that positions change the argmax
+        for name, weight in target.named_parameters():
+            if "q_proj" in name or "k_proj" in name:
+                weight.mul_(4.0)
+    prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(101))
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, custom_generate=hf_specdec.speculative_generate,
+                  assistant=target, adaptive=False, num_draft_tokens=4)
+    with pytest.raises(ValueError, match=f"rotary embedding is '{rope['rope_type']}'.*past 16 positions.*reach 50"):
+        target.generate(prompt, max_new_tokens=40, **kwargs)
+    out = target.generate(prompt, max_new_tokens=6, **kwargs)
+    assert torch.equal(out, target.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0))

@@ -919,3 +919,70 @@ def test_what_is_reported_matches_what_happened():
     empty = [r for r in records if not r.draft_tokens]
     assert empty and all(r.source == "none" for r in empty)
     assert out.acceptance.plain_rounds == len(empty) and out.acceptance.ngram_rounds == len(records) - len(empty)
+
+
+def test_stopping_criteria_get_the_scores_plain_decoding_passes():
+    """Before: each criterion got the current token's scores as one [1, vocab] tensor, where plain passes
+    None or (output_scores) the tuple of every step's scores; transformers' ConfidenceCriteria raised."""
+    from transformers.generation.stopping_criteria import ConfidenceCriteria
+
+    target = tiny_model("llama", seed=4)
+    draft = perturbed(target, noise=0.3)
+    seen = []
+
+    class Record(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            seen.append(None if scores is None else (len(scores), tuple(scores[-1].shape)))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    for kwargs in (dict(), dict(return_dict_in_generate=True, output_scores=True)):
+        for run in (lambda **kw: target.generate(PROMPT, **kw), lambda **kw: spec(target, draft, **kw)):
+            seen.clear()
+            run(max_new_tokens=6, do_sample=False, eos_token_id=None, stopping_criteria=StoppingCriteriaList([Record()]),
+                **kwargs)
+            assert seen == ([None] * 6 if not kwargs else [(n, (1, target.config.vocab_size)) for n in range(1, 7)])
+    kwargs = dict(max_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_scores=True,
+                  stopping_criteria=StoppingCriteriaList([ConfidenceCriteria(0.02)]))
+    assert torch.equal(spec(target, draft, **kwargs).sequences, target.generate(PROMPT, **kwargs).sequences)
+
+
+def test_a_float_attention_mask_and_flex_attention_trees():
+    """Before: a float mask (plain takes one) raised a TypeError once a batch compacted its holes; and a
+    flex-attention model's tree forward (a 4-D mask) aborted the process on a CPU: it now decodes with chains."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    draft = perturbed(target, noise=0.3)
+    rows = [[1, 5, 9, 2, 5, 9, 2, 5, 9, 2, 5, 9, 4], [5, 9, 2, 5, 9, 4], [3, 3, 3], [50, 50]]
+    ids = torch.tensor([[0] * (13 - len(r)) + r for r in rows])
+    mask = torch.tensor([[0] * (13 - len(r)) + [1] * len(r) for r in rows]).float()
+    kwargs = dict(attention_mask=mask, do_sample=False, max_new_tokens=40, eos_token_id=127, pad_token_id=0)
+    out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=draft,
+                          costs=hf_specdec.Costs(draft_step=0.01, verify=0.01), **kwargs)
+    assert torch.equal(out, target.generate(ids, **kwargs))
+    from hf_specdec.cache import column_bound
+
+    assert column_bound(target)[1] is None
+    target.set_attn_implementation("flex_attention")
+    assert "flex" in column_bound(target)[1]
+
+
+def test_a_sliding_window_cache_is_left_as_plain_leaves_it():
+    """Before: the returned cache kept every column with past recording on, and a plain follow-up call on it
+    kept growing (120 columns where plain keeps 7 for a window of 8)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    target = MistralForCausalLM(MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2, sliding_window=8)).eval()
+    ids = torch.tensor([[1, 5, 9, 2, 5, 9, 2, 5, 9, 2, 5, 9, 4]])
+    kwargs = dict(do_sample=False, max_new_tokens=60, eos_token_id=None, pad_token_id=0, return_dict_in_generate=True)
+    plain = target.generate(ids, **kwargs)
+    out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=target, **kwargs)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.cache.layers[0].keys.shape == plain.past_key_values.layers[0].keys.shape
+    longer = torch.cat([out.sequences, torch.tensor([[3, 4]])], 1)
+    after = target.generate(longer, attention_mask=torch.ones_like(longer), cache=out.cache, **kwargs)
+    assert after.past_key_values.layers[0].keys.shape[2] == 7

@@ -2,10 +2,11 @@
 a divergence over the full vocabulary (the rows both score, for a draft padded differently), a chosen
 subset of the draft's layers trained.
 
-Each step takes one prompt (its last `context` tokens), lets the draft sample `new_tokens` of its own
-continuation (on-policy: the texts the draft will actually be asked to continue), scores prompt and
-continuation with the target in one forward, and moves the draft's distributions at the continuation's
-positions toward the target's by one AdamW step on
+Each step takes one prompt (its last `context` tokens: the default 256 is capped where the models read
+fewer positions beside `new_tokens`, a context set past them is refused), lets the draft sample
+`new_tokens` of its own continuation (on-policy: the texts the draft will actually be asked to
+continue), scores prompt and continuation with the target in one forward, and moves the draft's
+distributions at the continuation's positions toward the target's by one AdamW step on
 
 * "fkl": forward KL, sum_t p(t) (log p(t) - log q(t)), or
 * "tv": total variation, 1/2 sum_t |p(t) - q(t)|, the quantity that sets acceptance: a draft token is
@@ -18,7 +19,9 @@ are. Exactness never depends on the draft: a distilled draft is verified like an
 A checkpoint (`checkpoint.pt`: trained tensors and optimizer state, read back with
 `torch.load(weights_only=True)`; `checkpoint.json`: settings, step, losses) is written every `checkpoint_every` steps and
 picked up by a new `Distiller` on the same folder, so an interrupted run resumes where it stopped;
-each step's sample is seeded by (seed, step), so a resumed run repeats an uninterrupted one.
+each step's sample is seeded by (seed, step), so a resumed run repeats an uninterrupted one. A step runs
+both models in eval mode (no dropout: the draft learns the distributions it drafts with, and nothing
+but the seeded sample draws at random) and puts every module back in the mode it had.
 `save_draft` writes a model folder that `hf_specdec.pair.load_model` (and the CLI's and the eval's
 `--draft PATH`) load, in the draft's original dtype; int8 quantization applies to it as to any draft.
 """
@@ -26,16 +29,21 @@ each step's sample is seeded by (seed, step), so a resumed run repeats an uninte
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 from transformers import GenerationConfig
 
+from .config import _check_int, as_int
 from .self_draft import decoder_layers
 
 DIVERGENCES = ("fkl", "tv")
+CONTEXT = 256  # the default context, capped at what the models' positions hold beside new_tokens
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class DistillConfig:
     divergence: str = "fkl"
     temperature: float = 1.0
     new_tokens: int = 32  # the draft's own continuation per step
-    context: int = 256  # prompt tokens kept (the last ones)
+    context: int = CONTEXT  # prompt tokens kept (the last ones); the default is capped at the models' positions
     train_layers: tuple[int, ...] | None = None  # decoder layer indices; None: the last two
     lr: float = 1e-5
     steps: int = 100
@@ -51,13 +59,26 @@ class DistillConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        """Named errors for bad values; numpy numbers and a list of layers are kept as the plain values
+        they are (the checkpoint's JSON writes those)."""
         if self.divergence not in DIVERGENCES:
             raise ValueError(f"divergence must be one of {DIVERGENCES}, got {self.divergence!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature!r}")
-        for name in ("new_tokens", "context", "steps", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name, positive in (("temperature", True), ("lr", False)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value < 0 \
+                    or positive and value == 0:
+                raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
+            object.__setattr__(self, name, float(value))
+        for name in ("new_tokens", "context", "steps", "checkpoint_every", "seed"):
+            object.__setattr__(self, name, as_int(getattr(self, name)))
+            _check_int(name, getattr(self, name), 0 if name == "seed" else 1)
+        if self.train_layers is not None:
+            given = self.train_layers
+            layers = tuple(map(as_int, given)) if isinstance(given, (tuple, list, range)) else ()
+            if not layers or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in layers):
+                raise ValueError(f"train_layers must be None or a non-empty tuple of decoder layer indices (integers "
+                                 f"from 0), got {given!r}")
+            object.__setattr__(self, "train_layers", layers)
 
 
 def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: str, temperature: float = 1.0) -> torch.Tensor:
@@ -84,26 +105,91 @@ def _resumable(settings: dict) -> dict:
     return {k: v for k, v in settings.items() if k not in ("steps", "checkpoint_every")}
 
 
+def _check_draft(target, draft) -> None:
+    """Refuses a draft that cannot be trained in place: one sharing weights with the target (casting
+    to float32 and training would change the target too), one with quantized layers (no gradient)."""
+    def storage(model) -> set[int]:
+        return {p.untyped_storage().data_ptr() for p in model.parameters() if p.numel()} - {0}
+
+    if draft is target or storage(draft) & storage(target):
+        made = " (a self-speculative draft from hf_specdec.early_exit_draft)" if getattr(
+            draft, "shares_weights_with", None) is not None else ""
+        raise ValueError(f"this draft shares its weights with the target{made}: distilling it in place would train "
+                         "the target's layers too (and cast them to float32); distil an independent copy, "
+                         "copy.deepcopy(draft)")
+    done = sorted({type(m).__name__ for m in draft.modules()} & {"WeightOnlyLinear", "PackedLinear"})
+    if done:
+        raise ValueError(f"this draft has {' and '.join(done)} layers (quantized or packed), which have no gradient: "
+                         "distil the draft as loaded, then quantize the saved one (save_draft)")
+
+
+def _context(target, draft, config: DistillConfig) -> int:
+    """The prompt tokens a step keeps: `context`, at its default capped where the models' positions
+    (the fewer of the two) hold less beside `new_tokens`; a context set past them is refused."""
+    from .proposals.draft_model import context_length
+
+    limits = [(n, who) for n, who in ((context_length(target.config), "target"), (context_length(draft.config), "draft"))
+              if n is not None]
+    positions = min((n for n, _ in limits), default=None)
+    if positions is None or config.context + config.new_tokens <= positions:
+        return config.context
+    where = f"the {positions} positions the {' and '.join(who for n, who in limits if n == positions)} read"
+    if config.new_tokens >= positions:
+        raise ValueError(f"new_tokens={config.new_tokens} leaves no room for a prompt in {where}")
+    if config.context != CONTEXT:
+        raise ValueError(f"context={config.context} and new_tokens={config.new_tokens} need more than {where}: "
+                         f"set context to {positions - config.new_tokens} or less")
+    return positions - config.new_tokens
+
+
+def _train_layers(config: DistillConfig, count: int) -> tuple[int, ...]:
+    """The decoder layers to train: `train_layers`, or the draft's last two."""
+    if config.train_layers is None:
+        if count < 2:
+            raise ValueError(f"the draft has {count} decoder layer, and the default train_layers (its last two) needs "
+                             f"two or more: pass train_layers=(0,)")
+        return (count - 2, count - 1)
+    if any(i >= count for i in config.train_layers):
+        raise ValueError(f"train_layers must be indices of the draft's {count} decoder layers (0 to {count - 1}), "
+                         f"got {config.train_layers}")
+    return tuple(sorted(set(config.train_layers)))
+
+
+@contextmanager
+def _eval_mode(*models):
+    """Every module of `models` in eval mode (no dropout), then back in the mode it had."""
+    modes = [(module, module.training) for model in models for module in model.modules()]
+    try:
+        for model in models:
+            model.eval()
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 class Distiller:
-    """Trains `draft` (in place, float32) toward `target` with checkpoints in `folder`."""
+    """Trains `draft` (in place, float32) toward `target` with checkpoints in `folder`. Neither model's
+    mode changes but during a step, which runs both in eval mode (see the module docstring)."""
 
     def __init__(self, target, draft, config: DistillConfig, folder: str | Path):
         from .arguments import padding_rows
 
+        if not isinstance(config, DistillConfig):
+            raise ValueError(f"config must be a DistillConfig, got {type(config).__name__}")
+        _check_draft(target, draft)  # before anything changes
         tv, dv = target.config.vocab_size, draft.config.vocab_size
         if tv != dv and not padding_rows(tv, dv):
             raise ValueError(f"target and draft vocabularies differ: {tv} and {dv} (sizes within 1%, embedding padding, "
                              "are taken as one vocabulary)")
         self.shared = min(tv, dv)  # the rows both score: the divergence is taken over these
-        self.target, self.config, self.folder = target.eval(), config, Path(folder)
+        self.context = _context(target, draft, config)
+        _, _, layers = decoder_layers(draft)
+        self.trained_layers = _train_layers(config, len(layers))
+        self.target, self.config, self.folder = target, config, Path(folder)
         self.dtype = draft.dtype
         self.draft = draft.float()
-        _, _, layers = decoder_layers(self.draft)
-        chosen = config.train_layers if config.train_layers is not None else (len(layers) - 2, len(layers) - 1)
-        if not chosen or any(not 0 <= i < len(layers) for i in chosen):
-            raise ValueError(f"train_layers must be indices of the draft's {len(layers)} decoder layers, got {chosen}")
         self.draft.requires_grad_(False)
-        self.trained_layers = tuple(sorted(set(chosen)))
         for i in self.trained_layers:
             layers[i].requires_grad_(True)
         self.params = {name: p for name, p in self.draft.named_parameters() if p.requires_grad}
@@ -135,6 +221,16 @@ class Distiller:
             raise ValueError(f"{self.checkpoint_path} was written with other settings: {theirs}; "
                              "use another folder or the same settings (only steps and checkpoint_every may change)")
         state = torch.load(self.checkpoint_path, weights_only=True)
+        theirs = {name: tuple(t.shape) for name, t in state["params"].items()}
+        mine = {name: tuple(p.shape) for name, p in self.params.items()}
+        if theirs != mine:
+            only = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
+            shape = sorted(n for n in mine if n in theirs and mine[n] != theirs[n])
+            detail = (f"it holds {only[0][0]}, which this draft does not train" if only[0] else
+                      f"this draft trains {only[1][0]}, which it lacks" if only[1] else
+                      f"{shape[0]} is {list(theirs[shape[0]])} there, {list(mine[shape[0]])} here")
+            raise ValueError(f"{self.checkpoint_path} was written for another draft ({detail}): use another folder "
+                             "or the draft it was written for")
         if int(state["step"]) != progress["step"]:
             raise ValueError(f"{self.folder}: checkpoint.pt is at step {int(state['step'])} and checkpoint.json at "
                              f"{progress['step']} (an interrupted save): use another folder or remove both files")
@@ -162,22 +258,28 @@ class Distiller:
     @torch.no_grad()
     def sample(self, prompt: list[int]) -> tuple[torch.Tensor, int]:
         """(prompt + the draft's own continuation [1, n], index of the first continuation token)."""
-        ids = torch.tensor([prompt[-self.config.context:]], device=self.draft.device)
+        ids = torch.tensor([prompt[-self.context:]], device=self.draft.device)
         # The draft's own distribution at `temperature`: none of its generation_config's top-k, top-p or penalties.
         sampling = GenerationConfig(
             do_sample=True, temperature=self.config.temperature, top_k=0, top_p=1.0, max_new_tokens=self.config.new_tokens,
             eos_token_id=self.draft.generation_config.eos_token_id, pad_token_id=self.draft.generation_config.pad_token_id,
             suppress_tokens=list(range(self.shared, self.draft.config.vocab_size)) or None,  # ids the target lacks
         )
-        with torch.random.fork_rng(devices=[]):  # seeded by (seed, step), the caller's RNG untouched
+        # Seeded by (seed, step), the caller's RNG untouched; no dropout (the draft as it will draft).
+        with torch.random.fork_rng(devices=[]), _eval_mode(self.draft):
             torch.manual_seed(self.config.seed * 1_000_003 + self.step_count)
             out = self.draft.generate(ids, attention_mask=torch.ones_like(ids), generation_config=sampling)
         return out, ids.shape[1]
 
     def check_prompt(self, prompt: list[int]) -> None:
         """A prompt's kept tokens (its last `context`) must be ids both models score."""
-        kept = prompt[-self.config.context:]
-        if max(kept, default=0) >= self.shared:
+        if not isinstance(prompt, (list, tuple)) or not prompt:
+            raise ValueError(f"a prompt must be a non-empty list of token ids, got {prompt!r:.80}")
+        kept = prompt[-self.context:]
+        odd = [t for t in kept if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0]
+        if odd:
+            raise ValueError(f"prompt ids must be integers >= 0, got {odd[0]!r} in {prompt!r:.80}")
+        if max(kept) >= self.shared:
             raise ValueError(f"prompt id {max(kept)} is past the {self.shared} vocabulary rows both models score")
 
     def step(self, prompt: list[int]) -> float:
@@ -185,9 +287,10 @@ class Distiller:
         self.check_prompt(prompt)
         ids, start = self.sample(prompt)
         keep = ids.shape[1] - start + 1  # the logits predicting each continuation token
-        with torch.no_grad():
-            target_logits = self.target(ids, logits_to_keep=keep).logits[:, :-1]
-        draft_logits = self.draft(ids, logits_to_keep=keep).logits[:, :-1]
+        with _eval_mode(self.target, self.draft):
+            with torch.no_grad():
+                target_logits = self.target(ids, logits_to_keep=keep).logits[:, :-1]
+            draft_logits = self.draft(ids, logits_to_keep=keep).logits[:, :-1]
         loss = divergence(target_logits[..., : self.shared], draft_logits[..., : self.shared], self.config.divergence,
                           self.config.temperature)
         self.optimizer.zero_grad()
@@ -204,6 +307,8 @@ class Distiller:
         run ended on code and lowered acceptance on every other category (run distill, docs/evaluation.md#older-runs)."""
         from tqdm.auto import tqdm
 
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError(f"train takes a non-empty list of prompts (lists of token ids), got {prompts!r:.80}")
         for prompt in prompts:  # before any step: a bad prompt stops nothing part-way
             self.check_prompt(prompt)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.config.seed)).tolist()

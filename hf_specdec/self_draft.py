@@ -29,18 +29,21 @@ from .config import as_int
 
 
 def decoder_layers(model: PreTrainedModel) -> tuple[nn.Module, str, nn.ModuleList]:
-    """(base model, attribute name, layers): the ModuleList of the model's decoder layers, found as
-    the base model's child ModuleList with `config.num_hidden_layers` entries (`model.layers` in
-    Llama and Qwen2, `transformer.h` in GPT-2)."""
+    """(base model, path, layers): the ModuleList of the model's decoder layers, found as the base
+    model's shallowest ModuleList with `config.num_hidden_layers` entries, and its dotted path there
+    (`layers` in Llama and Qwen2, `h` in GPT-2, `decoder.layers` in OPT, a level further down)."""
     base = model.base_model
     count = model.config.num_hidden_layers
-    found = [(name, child) for name, child in base.named_children() if isinstance(child, nn.ModuleList) and len(child) == count]
-    if len(found) != 1:
+    found = [(name, module) for name, module in base.named_modules()
+             if name and isinstance(module, nn.ModuleList) and len(module) == count]
+    depth = min((name.count(".") for name, _ in found), default=0)
+    shallowest = [(name, module) for name, module in found if name.count(".") == depth]
+    if len(shallowest) != 1:
         raise ValueError(
             f"cannot find the decoder layers of {type(model).__name__}: expected one ModuleList of "
             f"config.num_hidden_layers={count} modules in its base model, found {[name for name, _ in found]}"
         )
-    return base, found[0][0], found[0][1]
+    return base, shallowest[0][0], shallowest[0][1]
 
 
 def _shallow_copy(module: nn.Module) -> nn.Module:
@@ -69,8 +72,14 @@ def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel
     if getattr(config, "layer_types", None) is not None:
         config.layer_types = list(config.layer_types[:num_layers])
     draft_base = _shallow_copy(base)
-    draft_base._modules[name] = nn.ModuleList(layers[:num_layers])
     draft_base.config = config
+    parent, *inner, last = [draft_base, *name.split(".")]
+    for part in inner:  # a module between the base and its layers (OPT's decoder): a copy of its own
+        child = _shallow_copy(parent._modules[part])
+        if getattr(child, "config", None) is model.config:  # it sizes the cache from its config's layer count
+            child.config = config
+        parent._modules[part], parent = child, child
+    parent._modules[last] = nn.ModuleList(layers[:num_layers])
     if base is model:
         draft = draft_base
     else:

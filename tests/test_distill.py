@@ -181,3 +181,138 @@ def test_prompts_are_taken_in_a_seeded_shuffled_order_each_once_per_pass(tmp_pat
     assert sorted(first[:10]) == sorted(map(tuple, prompts)) and first[10:] == first[:10]  # each once a pass
     assert first[:10] != [tuple(p) for p in prompts]  # not the order given (categories one after another)
     assert other != first
+
+
+# ---------------------------------------------------------------- refused up front, named
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_early_exit_draft_is_refused_before_the_target_changes(tmp_path, dtype):
+    """Before: its layers are the target's, so training moved the target's weights (float32), or
+    draft.float() left the target half float32 and its first forward failed (bfloat16)."""
+    target = tiny_model("llama", layers=3, seed=7).to(dtype)
+    before = {name: t.clone() for name, t in target.state_dict().items()}
+    for draft in (hf_specdec.early_exit_draft(target, 2), target):
+        with pytest.raises(ValueError, match=r"shares its weights with the target.*copy\.deepcopy"):
+            Distiller(target, draft, DistillConfig(steps=2, lr=1e-2, new_tokens=4), tmp_path)
+    assert all(torch.equal(t, before[name]) for name, t in target.state_dict().items())
+    assert {p.dtype for p in target.parameters()} == {dtype}
+    # the copy the message suggests trains, and the target stays as it was
+    draft = copy.deepcopy(hf_specdec.early_exit_draft(target, 2))
+    Distiller(target, draft, DistillConfig(steps=2, lr=1e-2, new_tokens=4), tmp_path).train(PROMPTS, progress=False)
+    assert all(torch.equal(t, before[name]) for name, t in target.state_dict().items())
+    assert {p.dtype for p in target.parameters()} == {dtype}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("context", 4.5, "context must be a positive integer"),  # a TypeError at the first slice
+    ("lr", "1e-3", "lr must be a finite number >= 0"),  # a TypeError inside AdamW
+    ("lr", float("nan"), "lr must be a finite number >= 0"),
+    ("temperature", float("inf"), "temperature must be a finite number > 0"),  # trained nothing, loss 0, no error
+    ("temperature", 0, "temperature must be a finite number > 0"),
+    ("train_layers", (1.0,), "train_layers must be None or a non-empty tuple"),  # a TypeError
+    ("train_layers", 1, "train_layers must be None or a non-empty tuple"),
+    ("train_layers", (-1,), "train_layers must be None or a non-empty tuple"),
+    ("steps", True, "steps must be a positive integer"),
+    ("seed", "0", "seed must be an integer >= 0"),
+])
+def test_bad_config_values_are_named(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        DistillConfig(**{field: value})
+
+
+def test_numpy_values_are_kept_as_plain_numbers(tmp_path):
+    """The checkpoint's JSON writes them (a numpy integer is not JSON)."""
+    np = pytest.importorskip("numpy")
+    config = DistillConfig(steps=np.int64(1), lr=np.float32(1e-3), new_tokens=np.int64(4), train_layers=[np.int64(2)])
+    assert (config.steps, config.train_layers, type(config.lr)) == (1, (2,), float)
+    target, draft = make_pair()
+    Distiller(target, draft, config, tmp_path).train(PROMPTS, progress=False)
+    assert (tmp_path / "checkpoint.json").exists()
+
+
+@pytest.mark.parametrize("prompts, message", [
+    ([], "train takes a non-empty list of prompts"),  # ZeroDivisionError
+    ([[]], "a prompt must be a non-empty list of token ids"),  # a float tensor in the embedding
+    ([[1, -3, 4]], r"prompt ids must be integers >= 0, got -3"),  # an IndexError in the embedding
+    ([[1, 2.5]], r"prompt ids must be integers >= 0, got 2\.5"),
+    ([1, 2, 3], "a prompt must be a non-empty list of token ids, got 1"),  # one prompt, not a list of them
+])
+def test_bad_prompts_are_named_before_any_step(tmp_path, prompts, message):
+    target, draft = make_pair()
+    with pytest.raises(ValueError, match=message):
+        Distiller(target, draft, DistillConfig(steps=2, new_tokens=4, checkpoint_every=1), tmp_path).train(prompts, progress=False)
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_drafts_it_cannot_train_are_named(tmp_path):
+    target, _ = make_pair()
+    # one layer: the message named train_layers (-1, 0), which the caller never passed
+    with pytest.raises(ValueError, match=r"the draft has 1 decoder layer.*train_layers=\(0,\)"):
+        Distiller(target, tiny_model("llama", layers=1, seed=8), DistillConfig(), tmp_path)
+    Distiller(target, tiny_model("llama", layers=1, seed=8), DistillConfig(train_layers=(0,)), tmp_path)
+    # quantized or packed: the first backward failed (no derivative of the int8 matmul)
+    from hf_specdec.cpu import pack_linears
+
+    for draft in (hf_specdec.quantize_weights(perturbed(target, 0.5), 8), pack_linears(perturbed(target, 0.5))):
+        with pytest.raises(ValueError, match="(WeightOnlyLinear|PackedLinear) layers .*distil the draft as loaded"):
+            Distiller(target, draft, DistillConfig(), tmp_path)
+
+
+def gpt2_with_16_positions():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=16, vocab_size=64, bos_token_id=1,
+                        eos_token_id=None, initializer_range=0.3)
+    return GPT2LMHeadModel(config).eval()
+
+
+def test_the_default_context_is_capped_at_the_models_positions(tmp_path):
+    """Before: context's default 256 with a GPT-2 of 16 positions: an IndexError in the position
+    embedding at the first prompt longer than 16 - new_tokens."""
+    target = gpt2_with_16_positions()
+    distiller = Distiller(target, perturbed(target, 0.5), DistillConfig(steps=2, new_tokens=4), tmp_path)
+    assert distiller.context == 12
+    losses = distiller.train([list(range(2, 40))], progress=False)
+    assert len(losses) == 2 and all(loss == loss for loss in losses)
+    with pytest.raises(ValueError, match=r"context=100 and new_tokens=4 need more than the 16 positions.*context to 12"):
+        Distiller(target, perturbed(target, 0.5), DistillConfig(context=100, new_tokens=4), tmp_path / "set")
+    with pytest.raises(ValueError, match="new_tokens=16 leaves no room for a prompt in the 16 positions"):
+        Distiller(target, perturbed(target, 0.5), DistillConfig(new_tokens=16), tmp_path / "long")
+
+
+def test_resuming_with_another_draft_is_named(tmp_path):
+    """Before: a KeyError (another layer count) or a size RuntimeError (another width) from copy_."""
+    target, _ = make_pair()
+    config = DistillConfig(steps=1, lr=1e-3, new_tokens=4)
+    Distiller(target, tiny_model("llama", layers=3, seed=8), config, tmp_path).train(PROMPTS, progress=False)
+    again = DistillConfig(steps=2, lr=1e-3, new_tokens=4)
+    with pytest.raises(ValueError, match=r"written for another draft \(it holds model\.layers\.2\."):
+        Distiller(target, tiny_model("llama", layers=2, seed=8), again, tmp_path)
+    wider = tiny_model("llama", layers=3, seed=8)
+    wider.model.layers[2].mlp.up_proj = torch.nn.Linear(32, 48, bias=False)  # a trained tensor of another size
+    with pytest.raises(ValueError, match=r"model\.layers\.2\.mlp\.up_proj\.weight is \[64, 32\] there, \[48, 32\] here"):
+        Distiller(target, wider, again, tmp_path)
+    assert Distiller(target, tiny_model("llama", layers=3, seed=8), again, tmp_path).step_count == 1  # its own draft
+
+
+def test_modes_are_restored_and_dropout_does_not_draw_from_the_global_rng(tmp_path):
+    """Before: Distiller left a train-mode target in eval mode, and a train-mode draft (a model built
+    from a config is; GPT-2 has dropout) trained with dropout drawn from the caller's RNG, so one
+    DistillConfig(seed=0) gave other losses under another torch.manual_seed."""
+    target = tiny_model("gpt2", seed=7)
+    config = DistillConfig(steps=3, lr=1e-3, new_tokens=6, checkpoint_every=100)
+    runs = []
+    for global_seed, training in ((1, True), (2, True), (1, False)):
+        draft = perturbed(target, 0.6, 8).train(training)
+        target.train()
+        torch.manual_seed(global_seed)
+        rng = torch.random.get_rng_state()
+        distiller = Distiller(target, draft, config, tmp_path / f"run{len(runs)}")
+        assert target.training
+        runs.append(distiller.train(PROMPTS, progress=False))
+        assert target.training and draft.training == training
+        assert all(m.training == training for m in draft.modules())
+        assert torch.equal(torch.random.get_rng_state(), rng)  # nothing drew from the caller's RNG
+    assert runs[0] == runs[1] == runs[2]  # as the draft in eval mode trains

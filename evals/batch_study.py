@@ -32,7 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # evals/ is a folder of scripts, not a package
 
 import hf_specdec  # noqa: E402
-from common import add_options, apply_threads, hf_draft, load_pair, load_prompts, speedup_over_plain  # noqa: E402
+from common import add_options, apply_threads, draft_length, hf_draft, load_pair, load_prompts, speedup_over_plain  # noqa: E402
 
 BATCH_CATEGORIES = ("mt_bench", "translation", "qa", "math_reasoning", "humaneval")  # short prompts
 
@@ -318,7 +318,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="prompts run at each batch size (at least one batch; 0: as many as the largest batch); "
                              "16 gives batch 8 two batches, whose spread shows the cell's noise")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-tokens", type=int, default=None, help="override hf_specdec's default (max) draft length")
+    parser.add_argument("--num-draft-tokens", type=draft_length, default=None, help="override hf_specdec's default (max) draft length")
     add_options(parser, "pack", "draft_bits")
     parser.add_argument("--variant", nargs="+", default=None, metavar="KEY=VALUE", type=_setting,
                         help="also run hf_specdec with these keyword arguments changed, right after it on every batch "

@@ -115,24 +115,19 @@ def read_prompt_file(path, categories=None, per_category: int | None = None) -> 
     """(id, category, text) of one's own prompts: a local .jsonl, .json, .csv or .parquet file read
     through `datasets` (the prompt in a column named one of TEXT_COLUMNS, a list's first item for
     `turns`; an optional `category` column, else "custom"; an optional id column, else file/row), or a
-    .txt file of one prompt a line (blank lines skipped). `categories` keeps those only (None: all);
-    `per_category` takes each category's first that many (None: all). Anything unreadable, an empty
-    prompt or a repeated id is named in one line (records are paired with plain decoding by id)."""
-    from datasets import load_dataset
-
+    .txt file of one prompt a line (blank lines skipped). Text files are UTF-8 (a BOM is dropped).
+    `categories` keeps those only (None: all); `per_category` takes each category's first that many
+    (None: all). Anything unreadable, an empty prompt or a repeated id is named in one line (records
+    are paired with plain decoding by id)."""
     path = Path(path)
     builder = PROMPT_FILES.get(path.suffix.lower())
     if builder is None:
         raise SystemExit(f"--prompts {path}: give a {', '.join(PROMPT_FILES)} file")
-    try:
-        rows = load_dataset(builder, data_files=str(path), split="train")
-    except Exception as err:  # an empty or malformed file: datasets' own errors name neither
-        raise SystemExit(f"--prompts {path}: datasets could not read it as {builder} ({type(err).__name__}: "
-                         f"{str(err).splitlines()[0] if str(err) else 'empty or malformed'})") from None
-    column = next((c for c in TEXT_COLUMNS if c in rows.column_names), None)
+    rows, columns = _prompt_rows(path, builder)
+    column = next((c for c in TEXT_COLUMNS if c in columns), None)
     if column is None:
-        raise SystemExit(f"--prompts {path}: no prompt column (one of {', '.join(TEXT_COLUMNS)}); it has {rows.column_names}")
-    id_column = next((c for c in ID_COLUMNS if c in rows.column_names), None)
+        raise SystemExit(f"--prompts {path}: no prompt column (one of {', '.join(TEXT_COLUMNS)}); it has {columns}")
+    id_column = next((c for c in ID_COLUMNS if c in columns), None)
     out, counts, seen = [], {}, {}
     for i, row in enumerate(rows, start=1):
         text = row[column][0] if isinstance(row[column], list) and row[column] else row[column]
@@ -152,10 +147,39 @@ def read_prompt_file(path, categories=None, per_category: int | None = None) -> 
         counts[category] = counts.get(category, 0) + 1
         out.append((prompt_id, category, text))
     if not out:
-        found = sorted({_label(c) or "custom" for c in rows["category"]}) if "category" in rows.column_names else ["custom"]
+        found = sorted({_label(r.get("category")) or "custom" for r in rows})
         raise SystemExit(f"--prompts {path}: no prompts" + (f" in categories {list(categories)} (it has {found})"
                                                              if categories else ""))
     return out
+
+
+def _prompt_rows(path: Path, builder: str) -> tuple[list[dict], list[str]]:
+    """(rows, column names) of a prompt file read by `datasets`' `builder`; an empty file, a text file
+    that is not UTF-8 (pyarrow's error came from the middle of the rows, or datasets named no cause)
+    or one datasets cannot read is named in one line. A .txt file's BOM is dropped."""
+    from datasets import load_dataset
+
+    data = path.read_bytes()
+    if not data:
+        raise SystemExit(f"--prompts {path}: the file is empty")
+    if builder != "parquet":
+        try:
+            data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise SystemExit(f"--prompts {path}: not UTF-8 text (byte 0x{data[err.start]:02x} on line {line}: "
+                             f"{err.reason}); save it as UTF-8") from None
+    try:
+        dataset = load_dataset(builder, data_files=str(path), split="train")
+        rows, columns = dataset.to_list(), dataset.column_names
+    except Exception as err:  # a malformed file: datasets' own error names neither it nor the cause
+        cause = err.__cause__ or err  # datasets' DatasetGenerationError wraps the reader's error
+        first = str(cause).splitlines()[0] if str(cause) else "empty or malformed"
+        raise SystemExit(f"--prompts {path}: datasets could not read it as {builder} ({type(cause).__name__}: "
+                         f"{first})") from None
+    if builder == "text" and rows and rows[0]["text"]:
+        rows[0]["text"] = rows[0]["text"].removeprefix("\ufeff")  # datasets keeps a UTF-8 BOM as text
+    return rows, columns
 
 
 def load_prompt_file(tokenizer, path, categories=None, per_category: int | None = None) -> list[dict]:
@@ -202,6 +226,17 @@ def positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def draft_length(text: str) -> int:
+    """--num-draft-tokens: 1 to hf_specdec's MAX_DRAFT_TOKENS (every hf_specdec call refuses a longer one)."""
+    from hf_specdec.config import MAX_DRAFT_TOKENS
+
+    value = positive_int(text)
+    if value > MAX_DRAFT_TOKENS:
+        raise argparse.ArgumentTypeError(f"must be at most {MAX_DRAFT_TOKENS} (hf_specdec.config.MAX_DRAFT_TOKENS), "
+                                         f"got {text!r}")
     return value
 
 

@@ -30,7 +30,8 @@ pass@k (pass_at_k only): the problem's prompt, then the completion cut at the fi
 "\\ndef ", "\\nclass ", "\\nif __name__" or "\\nprint(" (the HumanEval harness's stop sequences; with
 `--humaneval-chat`, the code of the answer's first ``` block, cut after the function it restates), then
 the problem's test and `check(entry_point)`, run by `python -I -c` in a temporary folder with a
-timeout and a memory limit (model-written code: `--no-execute` skips it). Unbiased estimator
+timeout and a memory limit, a pass only where check() returned (`passes`; model-written code, not
+sandboxed: `--no-execute` skips it). Unbiased estimator
 1 - C(n-c, k) / C(n, k), for k = 1 and k = n.
 
 Writes <out>/records.jsonl (one line per call) and <out>/results.md (also printed).
@@ -42,6 +43,8 @@ import argparse
 import json
 import math
 import os
+import secrets
+import signal
 import statistics
 import subprocess
 import sys
@@ -135,23 +138,57 @@ def program(problem: dict, completion: str, chat: bool = False) -> str:
     return body + "\n" + problem["test"] + f"\ncheck({entry})\n"
 
 
-def _limits() -> None:  # in the child, before it runs: memory and CPU time
+def _limits() -> None:  # in the child, before it runs: memory, CPU time and the size of what it writes
     import resource
 
     resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
     resource.setrlimit(resource.RLIMIT_CPU, (20, 20))
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 20, 64 << 20))  # its output goes to a file
 
 
 def passes(source: str, timeout: float = 10.0) -> bool:
-    """Whether `python -I -c source` exits 0 within `timeout`, in a fresh temporary folder."""
-    with tempfile.TemporaryDirectory() as folder:
+    """Whether `python -I -c source` runs to its end within `timeout`, in a fresh temporary folder:
+    exits 0 having printed a sentinel appended after `source` (for a program, after `check(...)`
+    returned), as the HumanEval harness counts a pass only where the check ran. A completion that
+    exits 0 before the check (`exit(0)`, `sys.exit(0)`, `os._exit(0)` at top level) fails. The child
+    runs in a session of its own, and its whole process group is killed once it exits or times out
+    (children it forked do not linger). Not a sandbox: the code runs as this user, with memory and CPU
+    limits only (it can write files elsewhere or signal other processes); isolating it fully (a
+    container) is out of scope."""
+    sentinel = f"check ran to completion {secrets.token_hex(8)}"
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryFile() as output:  # a file: no pipe a child holds
+        child = subprocess.Popen([sys.executable, "-I", "-c", f"{source}\nprint({sentinel!r})\n"], cwd=folder,
+                                 stdin=subprocess.DEVNULL, stdout=output, stderr=subprocess.DEVNULL,
+                                 env={"PATH": os.environ.get("PATH", "")}, start_new_session=True,
+                                 preexec_fn=_limits if os.name == "posix" else None)
+        exited = _exited(child, timeout)
+        if os.name == "posix":
+            try:
+                os.killpg(child.pid, signal.SIGKILL)  # before the child is reaped: its group id is still its own
+            except ProcessLookupError:
+                pass
+        else:
+            child.kill()
+        code = child.wait()
+        output.seek(0)
+        return exited and code == 0 and sentinel.encode() in output.read()
+
+
+def _exited(child: subprocess.Popen, timeout: float) -> bool:
+    """Whether `child` exits within `timeout`; on POSIX it is left unreaped (its pid, its process
+    group's id, cannot be reused until it is)."""
+    if not hasattr(os, "waitid"):
         try:
-            done = subprocess.run([sys.executable, "-I", "-c", source], cwd=folder, capture_output=True, timeout=timeout,
-                                  env={"PATH": os.environ.get("PATH", "")},
-                                  preexec_fn=_limits if os.name == "posix" else None)
+            child.wait(timeout)
+            return True
         except subprocess.TimeoutExpired:
             return False
-    return done.returncode == 0
+    deadline = time.monotonic() + timeout
+    while os.waitid(os.P_PID, child.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.005)
+    return True
 
 
 # ---------------------------------------------------------------- running

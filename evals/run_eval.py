@@ -12,7 +12,7 @@ the same max_new_tokens; speedup = method tokens/s over plain tokens/s for that 
 (`common.speedup_over_plain`), and each category reports the median. Writes <out>/records.jsonl (one
 line per prompt, mode and method), <out>/summary.json, <out>/summary.md and PNG plots. While it runs,
 each process appends finished prompts to <out>/records.partial.rank<N>.jsonl: a stopped run keeps
-what it measured (`--from-records` summarises it).
+what it measured (`--from-records` summarises it, beside it unless --out is given).
 Batched throughput is `evals/batch_study.py`; the bars table of a summary is `evals/bars.py`.
 """
 
@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import statistics
 import sys
 import time
@@ -37,7 +39,7 @@ from common import (  # noqa: E402
     read_prompt_file,
     add_options,
     median_or_none, pooled_stats, round_log, speedup_over_plain, step_time, tree_counts, with_scored,
-    existing_path, positive_int,
+    draft_length, existing_path, positive_int,
 )
 from costs import CostTable, measure  # noqa: E402
 from hf_specdec.diagnostics import greedy_divergence  # noqa: E402
@@ -80,8 +82,11 @@ class Preset:
 PRESETS = {
     "quick": Preset(prompts_per_category=1, max_new_tokens=64),  # 7 prompts, ~13 min on 2 cores (real pair)
     "standard": Preset(prompts_per_category=5, max_new_tokens=64),  # 35 prompts, ~1 h on 2 cores (real pair)
-    "full": Preset(prompts_per_category=None, max_new_tokens=128),  # all 644 prompts
+    "full": Preset(prompts_per_category=None, max_new_tokens=128),  # every prompt of the split: 322 (--split all: 644)
 }
+
+
+DEFAULT_OUT = "runs/eval"
 
 
 @dataclass(frozen=True)
@@ -95,7 +100,7 @@ class EvalConfig:
     categories: tuple[str, ...] = CATEGORIES
     modes: tuple[str, ...] = tuple(MODES)
     methods: tuple[str, ...] = METHODS  # must include "plain", the baseline of every speedup
-    out: Path = Path("runs/eval")
+    out: Path = Path(DEFAULT_OUT)
     num_draft_tokens: int | None = None  # None: hf_specdec's default (max) draft length
     prompts_per_category: int | None = PRESETS["quick"].prompts_per_category  # None: every prompt
     max_new_tokens: int = PRESETS["quick"].max_new_tokens
@@ -109,6 +114,13 @@ class EvalConfig:
     prompts_file: Path | None = None  # one's own prompts (common.read_prompt_file) instead of the presets' sets
 
     def __post_init__(self) -> None:
+        # Each mode and method once (a repeat would count its prompts twice), plain first: every other
+        # method is compared with plain's output on the same prompt and mode, so plain must have run.
+        methods = tuple(dict.fromkeys(self.methods))
+        if "plain" in methods:
+            methods = ("plain", *(m for m in methods if m != "plain"))
+        object.__setattr__(self, "methods", methods)
+        object.__setattr__(self, "modes", tuple(dict.fromkeys(self.modes)))
         if self.prompts_file is not None:  # a file is taken as it is: the presets' categories and split do not apply
             if self.categories == CATEGORIES:
                 object.__setattr__(self, "categories", ())
@@ -121,7 +133,8 @@ def config_from_args(args: argparse.Namespace) -> EvalConfig:
     return EvalConfig(
         target=args.target, draft=args.draft, preset=args.preset,
         categories=tuple(args.categories or ()) if args.prompts or args.categories else CATEGORIES,
-        modes=tuple(args.modes), methods=tuple(methods), out=Path(args.out), num_draft_tokens=args.num_draft_tokens,
+        modes=tuple(args.modes), methods=tuple(methods), out=Path(args.out or DEFAULT_OUT),
+        num_draft_tokens=args.num_draft_tokens,
         prompts_per_category=(args.prompts_per_category if args.prompts or args.prompts_per_category is not None
                               else preset.prompts_per_category),  # one's own file: all of it unless capped
         max_new_tokens=args.max_new_tokens or preset.max_new_tokens, device_map=args.device_map,
@@ -508,8 +521,16 @@ def plot(records, summary, out: Path) -> None:
         draw(plt, records, summary, out)
 
 
+def _literal(text: str) -> str:
+    """`text` drawn as it is: matplotlib reads the text between two $ as mathtext (a category of one's
+    own such as "prices $5 vs $10" was drawn as math, "$\\frac{a$" stopped the plot)."""
+    return str(text).replace("$", r"\$")
+
+
 def _plot_speedup(plt, records, summary, out: Path) -> None:
-    """Speedup by category, one panel per mode."""
+    """Speedup by category, one panel per mode (none without a method beside plain)."""
+    if not summary:
+        return
     fig, axes = plt.subplots(1, len(summary), figsize=(7 * len(summary), 4), squeeze=False)
     categories = categories_of(records)
     for ax, (mode, methods) in zip(axes[0], summary.items()):
@@ -523,7 +544,8 @@ def _plot_speedup(plt, records, summary, out: Path) -> None:
             ax.bar([i + j * width for i in range(len(categories))], values, width, label=method,
                    yerr=[low, high], capsize=2, error_kw=dict(linewidth=0.8))
         ax.axhline(1.0, color="black", linewidth=0.8)
-        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], categories, rotation=30, ha="right")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(categories))], [_literal(c) for c in categories],
+                      rotation=30, ha="right")
         ax.set_ylabel("speedup over plain (median, 90% CI)")
         ax.set_title(mode)
         ax.legend(fontsize=8)
@@ -543,7 +565,7 @@ def _plot_acceptance_by_position(plt, records, summary, out: Path) -> None:
             rows = [r for r in rows if "error" not in r]
             if rows:
                 rates = pooled_stats(rows).per_position_rate
-                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=category)
+                ax.plot(range(1, len(rates) + 1), rates, marker="o", label=_literal(category))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_xlabel("draft position")
         ax.set_ylabel("accepted / reached")
@@ -606,68 +628,28 @@ PARTIAL = "records.partial.rank{rank}.jsonl"  # per process, while the run goes 
 
 def main(config: EvalConfig) -> dict | None:
     """Run the comparison of `config` (prompts split over accelerate's processes) and, on the main
-    process, write records, summary, table and plots; returns the summary there, None elsewhere."""
-    import evaluate
+    process, write records, summary, table and plots; returns the summary there, None elsewhere.
+    Exits non-zero, after writing them, where every call of a method failed (its cells all "n/a")."""
     import transformers
     from accelerate import Accelerator
-    from accelerate.utils import broadcast_object_list, gather_object
-    from tqdm.auto import tqdm
+    from accelerate.utils import gather_object
 
     check_config(config)
+    metric = load_metric()  # both before any model loads: neither fails after the work
+    out = output_folder(config.out)
     if config.threads:
         torch.set_num_threads(config.threads)
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
-    target, draft, tokenizer = load_pair(config.target, config.draft, accelerator.device, config.device_map, config.pack,
-                                         config.draft_bits)
-    drafts = drafts_by_precision(draft, config.draft_bits)
-    if config.second_draft is not None:
-        second, _ = load_second_draft(config.second_draft, target, tokenizer)
-        drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
-    if config.prompts_file is not None:
-        prompts = load_prompt_file(tokenizer, config.prompts_file, config.categories, config.prompts_per_category)
-    else:
-        prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
-    if not prompts:
-        raise SystemExit(f"no prompts in split {config.split!r} for {list(config.categories)}")
+    target, drafts, prompts = _load(config, accelerator.device)
     vocab = target.get_output_embeddings().weight.shape[0]
     modes = {m: MODES[m] for m in config.modes}
-    # The cost table prices every record's work; measured now unless given, and again at the end.
-    table = None
-    if accelerator.is_main_process:
-        table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts, vocab, modes)
-        if "second" in drafts and "second" not in table.forwards:
-            # A saved table from a run without it: priced as the first draft, which is right only for a
-            # draft of the same shape (a distilled copy); any other needs a table measured with it.
-            if _shape(drafts["second"]) != _shape(drafts["hf"]):
-                raise SystemExit(f"{config.cost_table} has no price for --second-draft {config.second_draft}, which is not "
-                                 "the first draft's shape; run without --cost-table to measure one")
-            table.alias("second", "hf")
-    table = broadcast_object_list([table])[0]  # every process prices its records with the main process's table
-    # One timer per model: the target and each distinct draft, named as in `drafts` (priced by name).
-    timers = {"target": ForwardTimer(target)}
-    for name, model in drafts.items():
-        if all(model is not drafts[other] for other in timers if other != "target"):
-            timers[name] = ForwardTimer(model)
-    # Warm up every method once on the first prompt (first calls pay one-off allocation costs).
-    evaluate_prompt(config, prompts[0], 0, target, drafts, timers, 8, table)
-
-    records = []
-    out = Path(config.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # Each process appends its prompts' records here as they finish, so a long run that is stopped
-    # keeps what it measured (`--from-records` summarises a partial file); removed once merged.
+    table = _start_table(config, accelerator, target, drafts, vocab, modes)
+    timers = _timers(target, drafts)
+    # Warm up every method once on the first prompt (first calls pay one-off allocation costs); a
+    # method that fails there in every mode (a setting no call accepts) is refused now, not after the run.
+    refuse_failed(evaluate_prompt(config, prompts[0], 0, target, drafts, timers, 8, table), "on the warm-up prompt")
     partial = out / PARTIAL.format(rank=accelerator.process_index)
-    with accelerator.split_between_processes(list(enumerate(prompts))) as local, open(partial, "w") as log:
-        bar = tqdm(local, desc=f"rank {accelerator.process_index}", disable=not accelerator.is_local_main_process)
-        for index, prompt in bar:
-            new = evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens, table)
-            log.writelines(json.dumps(r) + "\n" for r in new)
-            log.flush()
-            records += new
-            spec = [r for r in records if r["method"] == "hf_specdec" and r.get("speedup")]
-            if spec:
-                bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
-    records = gather_object(records)
+    records = gather_object(_run_prompts(config, accelerator, prompts, (target, drafts, timers, table), partial))
     # The last collective: leave the process group now, on every rank (a rank that exits with gloo's
     # threads still running can die with "terminate called without an active exception").
     accelerator.end_training()
@@ -675,7 +657,7 @@ def main(config: EvalConfig) -> dict | None:
         partial.unlink()
         return None
     end_table = measure(target, drafts, vocab, modes)  # drift of the machine over the run
-    summary = summarise(records, evaluate.load(str(METRIC)))
+    summary = summarise(records, metric)
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()}
     settings.update(processes=accelerator.num_processes, torch_threads=torch.get_num_threads(),
                     torch=torch.__version__, transformers=transformers.__version__, cost_table_drift=table.drift(end_table),
@@ -689,27 +671,181 @@ def main(config: EvalConfig) -> dict | None:
     source = config.prompts_file.name if config.prompts_file is not None else config.preset
     write_summary(out, records, summary, settings, f"{source}, {len(prompts)} prompts, {config.max_new_tokens} new tokens")
     print(f"wrote {out}/records.jsonl, summary.json, summary.md and plots")
+    refuse_failed(records, "on every prompt")
     return summary
 
 
+def output_folder(path) -> Path:
+    """`path` made as a folder (--out), or a one-line exit saying why it cannot be written to."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise SystemExit(f"--out {out}: cannot create the folder ({err.strerror or err})") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise SystemExit(f"--out {out}: the folder is not writable")
+    return out
+
+
+def load_metric():
+    """The `evaluate` metric by path (`METRIC`), or a one-line exit naming why it does not load."""
+    import evaluate
+
+    try:
+        return evaluate.load(str(METRIC))
+    except Exception as err:  # evaluate's module cache unwritable, the metric's folder missing
+        first = str(err).splitlines()[0] if str(err) else ""
+        raise SystemExit(f"the evaluate metric {METRIC} does not load: {type(err).__name__}: {first}") from None
+
+
+def refuse_failed(records, where: str) -> None:
+    """Exits naming each method none of whose `records` succeeded (its every cell would be "n/a")."""
+    succeeded = {r["method"] for r in records if "error" not in r}
+    failed = {}
+    for r in records:
+        if r["method"] not in succeeded:
+            failed.setdefault(r["method"], r["error"])
+    if failed:
+        raise SystemExit("; ".join(f"every {method} call failed {where}: {error}" for method, error in failed.items()))
+
+
+def _load(config: EvalConfig, device):
+    """(target, drafts by name as `drafts_by_precision` gives them, with "second" for --second-draft,
+    prompts) of `config`."""
+    target, draft, tokenizer = load_pair(config.target, config.draft, device, config.device_map, config.pack,
+                                         config.draft_bits)
+    drafts = drafts_by_precision(draft, config.draft_bits)
+    if config.second_draft is not None:
+        second, _ = load_second_draft(config.second_draft, target, tokenizer)
+        drafts["second"] = drafts_by_precision(second, config.draft_bits)["hf"]
+    if config.prompts_file is not None:
+        prompts = load_prompt_file(tokenizer, config.prompts_file, config.categories, config.prompts_per_category)
+    else:
+        prompts = load_prompts(tokenizer, config.categories, config.prompts_per_category, config.split)
+    if not prompts:
+        raise SystemExit(f"no prompts in split {config.split!r} for {list(config.categories)}")
+    return target, drafts, prompts
+
+
+def _start_table(config: EvalConfig, accelerator, target, drafts, vocab: int, modes: dict) -> CostTable:
+    """The cost table that prices every record's work: --cost-table's, else measured now (and again
+    at the end), on the main process, which every process then prices its records with."""
+    from accelerate.utils import broadcast_object_list
+
+    table = None
+    if accelerator.is_main_process:
+        table = CostTable.load(config.cost_table) if config.cost_table else measure(target, drafts, vocab, modes)
+        if "second" in drafts and "second" not in table.forwards:
+            # A saved table from a run without it: priced as the first draft, which is right only for a
+            # draft of the same shape (a distilled copy); any other needs a table measured with it.
+            if _shape(drafts["second"]) != _shape(drafts["hf"]):
+                raise SystemExit(f"{config.cost_table} has no price for --second-draft {config.second_draft}, which is not "
+                                 "the first draft's shape; run without --cost-table to measure one")
+            table.alias("second", "hf")
+    return broadcast_object_list([table])[0]
+
+
+def _timers(target, drafts: dict) -> dict:
+    """One timer per model: the target and each distinct draft, named as in `drafts` (priced by name)."""
+    timers = {"target": ForwardTimer(target)}
+    for name, model in drafts.items():
+        if all(model is not drafts[other] for other in timers if other != "target"):
+            timers[name] = ForwardTimer(model)
+    return timers
+
+
+def _run_prompts(config: EvalConfig, accelerator, prompts, models: tuple, partial: Path) -> list[dict]:
+    """This process's share of `prompts`, every mode and method; `models`: (target, drafts, timers, cost
+    table). Each prompt's records are appended to `partial` as they finish, so a long run that is
+    stopped keeps what it measured (`--from-records` summarises a partial file); removed once merged."""
+    from tqdm.auto import tqdm
+
+    target, drafts, timers, table = models
+    records = []
+    with accelerator.split_between_processes(list(enumerate(prompts))) as local, open(partial, "w") as log:
+        bar = tqdm(local, desc=f"rank {accelerator.process_index}", disable=not accelerator.is_local_main_process)
+        for index, prompt in bar:
+            new = evaluate_prompt(config, prompt, index, target, drafts, timers, config.max_new_tokens, table)
+            log.writelines(json.dumps(r) + "\n" for r in new)
+            log.flush()
+            records += new
+            spec = [r for r in records if r["method"] == "hf_specdec" and r.get("speedup")]
+            if spec:
+                bar.set_postfix(hf_specdec=f"{statistics.median(r['speedup'] for r in spec):.2f}x")
+    return records
+
+
 def write_summary(out: Path, records, summary, settings: dict, title: str) -> None:
-    """summary.json, summary.md and the plots; prints the table."""
+    """summary.json (strict JSON: a NaN or infinite figure as null), summary.md and the plots; prints
+    the table."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "summary.json").write_text(json.dumps(dict(config=settings, summary=summary), indent=2))
+    text = json.dumps(finite(dict(config=settings, summary=summary)), indent=2, allow_nan=False)
+    (out / "summary.json").write_text(text)
     table = markdown_table(summary)
     (out / "summary.md").write_text(f"# Evaluation ({title})\n\n{table}\n")
     plot(records, summary, out)
     print(table)
 
 
-def replot(records_path: Path, out: Path) -> dict:
-    """Summary, table and plots again from a records.jsonl (no generation)."""
-    import evaluate
+def finite(value):
+    """`value` with every NaN or infinite float in it as None."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
-    records = [json.loads(line) for line in records_path.read_text().splitlines()]
-    summary = summarise(records, evaluate.load(str(METRIC)))
-    write_summary(out, records, summary, dict(from_records=str(records_path)), f"from {records_path}")
+
+def replot(records_path: Path, out: Path | None = None) -> dict:
+    """Summary, table and plots again from a records.jsonl (no generation), written beside it unless
+    `out` is given, with the run's settings from the summary.json beside the records where there is one."""
+    records = read_records(records_path)
+    if not records:
+        raise SystemExit(f"--from-records {records_path}: no records to summarise (a run stopped during its first "
+                         "prompt leaves none)")
+    if all(r["method"] == "plain" for r in records):
+        raise SystemExit(f"--from-records {records_path}: only plain decoding's records, no method to compare with it: "
+                         "nothing to summarise")
+    metric = load_metric()
+    out = output_folder(records_path.parent if out is None else out)
+    summary = summarise(records, metric)
+    settings = dict(_run_settings(records_path.parent), from_records=str(records_path))
+    write_summary(out, records, summary, settings, f"from {records_path}")
     return summary
+
+
+def read_records(path: Path) -> list[dict]:
+    """The records of a records.jsonl. Blank lines are skipped, and so is a last line cut short (a
+    process killed while writing it), with a warning; any other line that is not a record is named."""
+    lines = path.read_bytes().decode(errors="replace").splitlines()
+    last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+    records = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError as err:
+            if i == last:
+                print(f"warning: {path}:{i + 1}: skipped the last line, cut short ({err})", file=sys.stderr)
+                continue
+            raise SystemExit(f"--from-records {path}:{i + 1}: not a JSON record ({err})") from None
+        if not isinstance(record, dict) or not {"id", "category", "mode", "method"} <= set(record):
+            raise SystemExit(f"--from-records {path}:{i + 1}: not a record of run_eval.py (it needs id, category, mode "
+                             "and method)")
+        records.append(record)
+    return records
+
+
+def _run_settings(folder: Path) -> dict:
+    """The settings in the summary.json of `folder` ({} where there is none, or it does not read)."""
+    try:
+        settings = json.loads((folder / "summary.json").read_text())["config"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+    return settings if isinstance(settings, dict) else {}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -724,8 +860,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "or a .txt file of one prompt a line; all of them unless --prompts-per-category")
     parser.add_argument("--modes", nargs="+", default=list(MODES), metavar="MODE")
     parser.add_argument("--methods", nargs="+", default=list(METHODS), metavar="METHOD")
-    add_options(parser, out="runs/eval")
-    parser.add_argument("--num-draft-tokens", type=positive_int, default=None, help="override hf_specdec's default (max) draft length")
+    add_options(parser, "out")  # default: DEFAULT_OUT, or with --from-records the records' folder
+    parser.add_argument("--num-draft-tokens", type=draft_length, default=None, help="override hf_specdec's default (max) draft length")
     parser.add_argument("--second-draft", default=None,
                         help="another draft (folder or registry name) for the method hf_second_draft, e.g. a distilled one")
     add_options(parser, "draft_bits")  # assisted uses the draft as loaded
@@ -736,16 +872,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--device-map", default=None, help="e.g. 'auto' for a target too large for one device")
     add_options(parser, "threads")  # per process
     parser.add_argument("--from-records", type=existing_path, default=None,
-                        help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl)")
+                        help="only rebuild summary and plots from a records.jsonl (or a stopped run's records.partial.rank0.jsonl), "
+                             "written beside it unless --out")
     parser.add_argument("--split", choices=SPLITS, default=None,
                         help="prompts with odd ids (report, the default), even ids (tuning: tune defaults here) or all")
     add_options(parser, "cost_table")  # instead of measuring one: hf_specdec's decisions then repeat exactly
     return parser.parse_args(argv)
 
 
-if __name__ == "__main__":
-    args = parse_args()
+def cli(argv=None) -> dict | None:
+    """The script: a run, or with --from-records a summary rebuilt from records."""
+    args = parse_args(argv)
     if args.from_records:
-        replot(Path(args.from_records), Path(args.out))
-    else:
-        main(config_from_args(args))
+        return replot(Path(args.from_records), Path(args.out) if args.out else None)
+    return main(config_from_args(args))
+
+
+if __name__ == "__main__":
+    cli()

@@ -217,10 +217,35 @@ def test_a_stopped_eval_keeps_the_prompts_it_finished(tmp_path, monkeypatch):
     assert list(summary["greedy"]["hf_specdec"]["categories"]) == [category]
 
 
+def test_a_bad_prompt_file_is_named_in_one_line(tmp_path):
+    """--prompts FILE: anything unreadable is named in one line, before any model loads."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    from common import read_prompt_file
+
+    bad = {"cols.jsonl": (json.dumps({"body": "x"}) + "\n",
+                          r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"),
+           "empty.jsonl": ("", "the file is empty"),
+           "broken.jsonl": ("{not json\n", "datasets could not read it as json"),
+           "twice.jsonl": ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', "rows 1 and 2 share the id 'x'"),
+           "mine.md": ("x", "give a .jsonl, .json, .csv, .parquet, .txt file")}
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(SystemExit, match=message):
+            read_prompt_file(tmp_path / name)
+    # not UTF-8: one line naming it, every format (a .jsonl had raised pyarrow's UnicodeDecodeError while its
+    # rows were read, a .csv or .txt said "An error occurred while generating the dataset")
+    heads = {"latin1.jsonl": b'{"prompt": "tea"}\n{"prompt": ', "latin1.csv": b"prompt\n", "latin1.txt": b"tea\n"}
+    for name, head in heads.items():
+        (tmp_path / name).write_bytes(head + b'"caf\xe9"\n')
+        with pytest.raises(SystemExit, match=rf"--prompts .*{name}: not UTF-8 text \(byte 0xe9 on line 2"):
+            read_prompt_file(tmp_path / name)
+    (tmp_path / "bom.txt").write_bytes("\ufeffFirst.\nSecond.\n".encode())  # the BOM had stayed in the first prompt
+    assert [t for _, _, t in read_prompt_file(tmp_path / "bom.txt")] == ["First.", "Second."]
+
+
 def test_an_eval_on_ones_own_prompt_file(tmp_path):
     """--prompts FILE: one's own prompts (jsonl, csv, txt, through datasets) in place of the presets' sets,
-    all of them unless capped, with their own categories in the records, the summary and the plots; a
-    bad file is named in one line before any model loads."""
+    all of them unless capped, with their own categories in the records, the summary and the plots."""
     sys.path.insert(0, str(ROOT / "evals"))
     import run_eval
     from common import load_prompt_file, read_prompt_file
@@ -241,33 +266,121 @@ def test_an_eval_on_ones_own_prompt_file(tmp_path):
                                                        ("3", "0", "again")]
     (tmp_path / "mine.txt").write_text("Name three colours.\n\nSay hi.\n")
     assert len(read_prompt_file(tmp_path / "mine.txt")) == 2  # the blank line skipped
-    bad = {"cols.jsonl": (json.dumps({"body": "x"}) + "\n", r"no prompt column \(one of prompt, text, question, instruction, turns\); it has \['body'\]"),
-           "empty.jsonl": ("", "datasets could not read it as json"),
-           "broken.jsonl": ("{not json\n", "datasets could not read it as json"),
-           "twice.jsonl": ('{"prompt": "a", "id": "x"}\n{"prompt": "b", "id": "x"}\n', "rows 1 and 2 share the id 'x'"),
-           "mine.md": ("x", "give a .jsonl, .json, .csv, .parquet, .txt file")}
-    for name, (text, message) in bad.items():
-        (tmp_path / name).write_text(text)
-        with pytest.raises(SystemExit, match=message):
-            read_prompt_file(tmp_path / name)
     with pytest.raises(SystemExit, match=r"no prompts in categories \['poetry'\] \(it has \['chat', 'code\|py'\]\)"):
         read_prompt_file(jsonl, categories=("poetry",))
     with pytest.raises(SystemExit, match="--split picks from the presets' prompt sets"):
         run_eval.config_from_args(run_eval.parse_args(["--prompts", str(jsonl), "--split", "all"]))
+    # a category with two $ (matplotlib's mathtext: "$\\frac{a$" had stopped the plots after the run)
+    rows.append({"prompt": "Which costs more?", "category": "$\\frac{a$ b"})
+    jsonl.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    # plain listed after the method compared with it, a method and a mode twice: each runs once, plain
+    # first (plain had run after hf_specdec, which then counted a mismatch on every greedy prompt; the
+    # repeats had run twice, counted twice in n and the intervals)
     config = run_eval.config_from_args(run_eval.parse_args(
-        ["--target", "tiny", "--draft", "tiny", "--prompts", str(jsonl), "--modes", "greedy", "--methods", "plain",
-         "hf_specdec", "--max-new-tokens", "8", "--out", str(tmp_path / "run")]))
+        ["--target", "tiny", "--draft", "tiny", "--prompts", str(jsonl), "--modes", "greedy", "greedy", "--methods",
+         "hf_specdec", "plain", "hf_specdec", "--max-new-tokens", "8", "--out", str(tmp_path / "run")]))
+    assert config.methods == ("plain", "hf_specdec") and config.modes == ("greedy",)
     assert config.prompts_per_category is None and config.categories == ()  # not the quick preset's one a category
     direct = run_eval.EvalConfig(prompts_file=jsonl)  # built in code: the presets' categories and split do not apply
     assert direct.categories == () and direct.split is None
     summary = run_eval.main(config)
     records = [json.loads(line) for line in (tmp_path / "run" / "records.jsonl").read_text().splitlines()]
-    assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/1", "mine/2", "mine/3"]
-    assert list(summary["greedy"]["hf_specdec"]["categories"]) == ["chat", "code|py"]
+    assert [r["method"] for r in records] == ["plain", "hf_specdec"] * 4
+    assert sorted(r["id"] for r in records if r["method"] == "plain") == ["mine/1", "mine/2", "mine/3", "mine/4"]
+    categories = summary["greedy"]["hf_specdec"]["categories"]
+    assert list(categories) == ["chat", "code|py", "$\\frac{a$ b"]
+    assert all(c["all_match_plain"] and c["mismatches"] == 0 for c in categories.values())
+    assert categories["chat"]["prompts"] == 2
     settings = json.loads((tmp_path / "run" / "summary.json").read_text())["config"]
-    assert settings["prompts_file"] == str(jsonl) and settings["prompts"] == 3 and settings["split"] is None
+    assert settings["prompts_file"] == str(jsonl) and settings["prompts"] == 4 and settings["split"] is None
     assert "| hf_specdec | code\\|py (n=1) |" in (tmp_path / "run" / "summary.md").read_text()
     assert (tmp_path / "run" / "speedup_by_category.png").exists()
+    assert (tmp_path / "run" / "acceptance_by_position.png").exists()
+
+
+def test_eval_names_an_out_it_cannot_create_or_a_metric_that_does_not_load_before_loading(tmp_path, monkeypatch):
+    """Both had failed after every prompt ran (the folder was made and the metric loaded at the end;
+    the folder as a raw NotADirectoryError)."""
+    import dataclasses
+
+    sys.path.insert(0, str(ROOT / "evals"))
+    import run_eval
+
+    monkeypatch.setattr(run_eval, "load_pair", lambda *a, **k: pytest.fail("loaded the pair"))
+    (tmp_path / "file").write_text("x")
+    config = run_eval.EvalConfig(target="tiny", draft="tiny", categories=("qa",), modes=("greedy",),
+                                 methods=("plain", "hf_specdec"), out=tmp_path / "file" / "run")
+    with pytest.raises(SystemExit, match=r"--out .*file/run: cannot create the folder \(Not a directory\)"):
+        run_eval.main(config)
+    monkeypatch.setattr(run_eval, "METRIC", tmp_path / "no_metric")
+    with pytest.raises(SystemExit, match=r"the evaluate metric .*no_metric does not load: \w+"):
+        run_eval.main(dataclasses.replace(config, out=tmp_path / "run"))
+
+
+def test_eval_refuses_a_method_every_call_of_which_failed(tiny_eval, tmp_path, monkeypatch):
+    """A method whose every call raised the errors a method's record keeps (a mode it does not support)
+    is refused: on the warm-up prompt, before the run; or, failing only later, with a non-zero exit
+    after the outputs are written. Both had ended with exit 0 and every one of its cells "n/a"."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    import run_eval
+
+    measured, fail_warm_up = run_eval.run_method, [True]
+
+    def refused(method, *args):
+        max_new_tokens = args[4]
+        if method == "hf_specdec" and (fail_warm_up[0] or max_new_tokens != 8):  # the warm-up's is 8
+            raise ValueError("no such setting\nmore")
+        return measured(method, *args)
+
+    monkeypatch.setattr(run_eval, "run_method", refused)
+    config = run_eval.EvalConfig(target="tiny", draft="tiny", categories=("qa",), modes=("greedy",),
+                                 methods=("plain", "hf_specdec"), out=tmp_path, prompts_per_category=1, max_new_tokens=6,
+                                 cost_table=tiny_eval / "cost_table.json")
+    with pytest.raises(SystemExit, match="^every hf_specdec call failed on the warm-up prompt: no such setting$"):
+        run_eval.main(config)
+    assert not list(tmp_path.iterdir())
+    fail_warm_up[0] = False
+    with pytest.raises(SystemExit, match="^every hf_specdec call failed on every prompt: no such setting$"):
+        run_eval.main(config)
+    assert "| hf_specdec | qa | n/a (no such setting) |" in (tmp_path / "summary.md").read_text()
+    assert len((tmp_path / "records.jsonl").read_text().splitlines()) == 2
+
+
+def test_from_records_writes_beside_them_keeps_the_runs_settings_and_reads_what_a_killed_run_left(tiny_eval, tmp_path,
+                                                                                                 capsys):
+    """--from-records without --out: beside the records (it had been ./runs/eval), with the settings of
+    the summary.json there (they had been replaced by {"from_records": ...}). A blank line is skipped,
+    and so is a last line cut short, with a warning (both raw JSONDecodeErrors); a bad line elsewhere
+    is named by line. A NaN figure is null in summary.json (strict JSON)."""
+    sys.path.insert(0, str(ROOT / "evals"))
+    import run_eval
+
+    records = [json.loads(line) for line in (tiny_eval / "records.jsonl").read_text().splitlines()]
+    for r in records:
+        r["cost_ratio"] = float("nan") if r["method"] != "plain" else None
+    lines = [json.dumps(r) for r in records]
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "records.jsonl").write_text("\n".join(lines[:-1]) + "\n\n" + lines[-1][:40])
+    (run / "summary.json").write_text((tiny_eval / "summary.json").read_text())
+    run_eval.cli(["--from-records", str(run / "records.jsonl")])
+    assert f"records.jsonl:{len(lines) + 1}: skipped the last line, cut short" in capsys.readouterr().err
+    text = (run / "summary.json").read_text()
+    written = json.loads(text, parse_constant=lambda name: pytest.fail(f"{name} in summary.json"))
+    assert written["config"]["target"] == "tiny" and written["config"]["prompts"] == 2
+    assert written["config"]["from_records"] == str(run / "records.jsonl")
+    assert written["summary"]["greedy"]["hf_specdec"]["categories"]["qa"]["cost_ratio"] is None
+    assert (run / "speedup_by_category.png").exists() and (run / "summary.md").exists()
+    (run / "bad.jsonl").write_text(lines[0] + "\n{oops\n" + lines[1] + "\n")
+    with pytest.raises(SystemExit, match=r"--from-records .*bad.jsonl:2: not a JSON record"):
+        run_eval.cli(["--from-records", str(run / "bad.jsonl")])
+    # nothing to summarise (a run stopped on its first prompt): named, nothing written (had crashed in matplotlib)
+    (run / "empty.jsonl").write_text("")
+    (run / "plain.jsonl").write_text("".join(line + "\n" for line, r in zip(lines, records) if r["method"] == "plain"))
+    for name, message in (("empty.jsonl", "no records to summarise"), ("plain.jsonl", "only plain decoding's records")):
+        with pytest.raises(SystemExit, match=message):
+            run_eval.cli(["--from-records", str(run / name), "--out", str(tmp_path / "none")])
+    assert not (tmp_path / "none").exists()
 
 
 def test_a_finished_eval_leaves_no_partial_records(tiny_eval):
@@ -552,6 +665,9 @@ def test_paired_ratios_pair_prompts_and_bootstrap_within_categories(tmp_path):
     ("run_eval", ["--max-new-tokens", "0"], "--max-new-tokens: must be a positive integer"),  # had meant the preset's 64
     ("run_eval", ["--num-draft-tokens", "-2"], "must be a positive integer"),  # had run, every record an error
     ("run_eval", ["--cost-table", "README.md"], "is not a cost table"),  # had been a traceback after loading
+    # above hf_specdec.config.MAX_DRAFT_TOKENS: had run, every hf_specdec cell "n/a", exit 0
+    ("run_eval", ["--num-draft-tokens", "5000"], "must be at most 1024"),
+    ("batch_study", ["--num-draft-tokens", "0"], "must be a positive integer"),
     ("run_eval", ["--threads", "-1"], "0 .* or a positive integer"),
     ("run_eval", ["--out", "README.md"], "is a file"),
     ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--limit", "-1"],

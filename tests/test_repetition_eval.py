@@ -74,6 +74,40 @@ def test_pass_at_k_and_the_program_built_from_an_answer():
     assert not passes(program(problem, "    return x\n")) and not passes(program(problem, "    while True:\n        pass\n"), 2)
 
 
+@pytest.mark.parametrize("exit_call", ["exit(0)", "import sys\nsys.exit(0)", "import os\nos._exit(0)"])
+def test_a_completion_that_exits_before_the_check_does_not_pass(exit_call):
+    """The program exits 0 at top level, after the function and before check() runs: no pass (the
+    exit code alone had counted it as one)."""
+    problem = dict(prompt="def f(x):\n    \"\"\"Twice x.\"\"\"\n", entry_point="f",
+                   test="def check(candidate):\n    assert candidate(2) == 4\n")
+    assert not passes(program(problem, f"    return x\n{exit_call}\n"))
+    assert passes(program(problem, "    return 2 * x\n"))
+
+
+def test_a_forked_child_neither_holds_the_run_up_nor_outlives_it(tmp_path):
+    """A passing program whose forked child sleeps on: the pass is counted when the program exits,
+    and the child is killed with its process group (it held the output pipe until the timeout, and
+    then ran on: no pass, and a stray process)."""
+    import os
+    import time
+
+    if not hasattr(os, "fork"):
+        pytest.skip("no fork")
+    problem = dict(prompt="def f(x):\n", entry_point="f", test="def check(candidate):\n    assert candidate(2) == 4\n")
+    pid_file = tmp_path / "child.pid"
+    fork = ("    return 2 * x\nimport os, time\nif os.fork() == 0:\n"
+            f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n    time.sleep(8)\n    os._exit(0)\ntime.sleep(0.5)\n")
+    start = time.monotonic()
+    assert passes(program(problem, fork), timeout=4)
+    assert time.monotonic() - start < 3.5
+    stat = Path(f"/proc/{pid_file.read_text()}/stat")
+    time.sleep(0.2)
+    try:  # gone, or a zombie waiting for its new parent to reap it
+        assert stat.read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        pass
+
+
 def test_the_wall_clock_ways_count_each_rows_tokens_to_its_eos_and_rate_against_plain():
     """evals/repetition_wall.py: plain, hf_specdec and hf_specdec+cache as n rows of one call, and the
     stream through generate_continuous, interleaved; tokens counted per row through its first EOS."""

@@ -89,6 +89,7 @@ def validate(
     synced_gpus: bool,
     model_kwargs: dict[str, Any],
     streaming: bool = False,
+    continuous: bool = False,
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
     _validate_strategy(generation_config, synced_gpus)
@@ -132,7 +133,7 @@ def validate(
                                     f"tokens leave masked holes, and {holes}. Generate one row at a time.")
     _validate_window(windows, input_ids, generation_config)
     _validate_same_function(model)
-    _validate_rope(model.config, generation_config.max_length)
+    _validate_rope(model.config, input_ids.shape[1], generation_config.max_length, continuous)
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
@@ -513,25 +514,31 @@ def _validate_rows(candidate_generator, rows: int, what: str) -> None:
                          f"time; {what}")
 
 
-def _validate_rope(config, max_length: int) -> None:
-    """Rotary frequencies that transformers picks by the longest position a forward covers ("dynamic" NTK
-    and "longrope"): they switch once a forward passes the original context. A verify forward covers
-    positions ahead of plain decoding's one-token step, so past that point they switch earlier."""
+def _validate_rope(config, width: int, max_length: int, continuous: bool) -> None:
+    """Rotary frequencies that transformers picks by the longest position a forward covers: "dynamic" NTK
+    grows them at every new length past the original context, "longrope" switches to its long factors
+    once a forward passes it. A verify forward covers positions ahead of plain decoding's one-token step
+    (a stream's forward, other prompts' too), so past that point the frequencies change earlier."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
     params = getattr(config, "rope_parameters", None) or {}
-    groups = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
-    for group in groups:
+    nested = isinstance(params, dict) and params and all(isinstance(v, dict) or v is None for v in params.values())
+    for group in [g for g in (params.values() if nested else [params]) if isinstance(g, dict)]:
         kind = str(group.get("rope_type", group.get("type", "")))
         if "dynamic" not in kind and kind != "longrope":
             continue
-        limit = min(v for v in (group.get("original_max_position_embeddings"), config.max_position_embeddings,
-                                getattr(config, "original_max_position_embeddings", None)) if isinstance(v, int))
-        if max_length > limit:
+        limits = [group.get("original_max_position_embeddings"), getattr(config, "max_position_embeddings", None),
+                  getattr(config, "original_max_position_embeddings", None)]
+        limit = min([int(v) for v in limits if isinstance(v, numbers.Real) and not isinstance(v, bool)], default=0)
+        # longrope is one set of factors throughout once the prompt is past the original context
+        if continuous or (max_length > limit and (kind != "longrope" or width <= limit)):
+            reach = "a stream mixes prompts at other positions in each forward" if continuous else (
+                f"this call may reach {max_length} (max_length)")
             raise ValueError(
                 f"the target's rotary embedding is {kind!r}: transformers chooses its frequencies by the longest "
                 f"position each forward covers, and they change past {limit} positions. Verifying several tokens "
                 f"reaches a position before plain decoding does, so past {limit} the output would differ from "
-                f"plain decoding; this call may reach {max_length} (max_length). Generate up to {limit} tokens "
-                "in all (prompt included), or use plain generate().")
+                f"plain decoding; {reach}. Generate up to {limit} tokens in all (prompt included) one call at a "
+                "time, or use plain generate().")
 
 
 def _validate_same_function(model: PreTrainedModel) -> None:

@@ -101,7 +101,7 @@ def speculative_generate(
         if streamer is None:
             refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences, model)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,
-                 streaming=stream is not None)
+                 streaming=stream is not None, continuous=requests is not None)
         validate_retrieval_cache(model, retrieval_cache)
         if requests is not None:
             config, stopping_criteria = continuous_settings(

@@ -183,7 +183,13 @@ def test_rotary_frequencies_chosen_by_a_forwards_length_are_refused_past_their_s
     prompt = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(101))
     kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, custom_generate=hf_specdec.speculative_generate,
                   assistant=target, adaptive=False, num_draft_tokens=4)
+    plain = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
     with pytest.raises(ValueError, match=f"rotary embedding is '{rope['rope_type']}'.*past 16 positions.*reach 50"):
         target.generate(prompt, max_new_tokens=40, **kwargs)
-    out = target.generate(prompt, max_new_tokens=6, **kwargs)
-    assert torch.equal(out, target.generate(prompt, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0))
+    with pytest.raises(ValueError, match="a stream mixes prompts"):
+        hf_specdec.generate_continuous(target, [prompt[0, :4]], assistant=target, max_new_tokens=2)
+    assert torch.equal(target.generate(prompt, max_new_tokens=6, **kwargs), target.generate(prompt, max_new_tokens=6, **plain))
+    if rope["rope_type"] == "longrope":  # a prompt already past the original context: long factors throughout, exact
+        longer = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(102))
+        out = target.generate(longer, max_new_tokens=30, **kwargs)
+        assert torch.equal(out, target.generate(longer, max_new_tokens=30, **plain))

@@ -128,6 +128,14 @@ def test_token_healing_in_the_directory_form_heals_as_plain_generate():
         out = target.generate(bos, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
                               assistant_model=draft, **mask, **kwargs)
         assert torch.equal(out, target.generate(bos, **mask, **kwargs))
+    # a left-padded batch without a mask, the settings in a GenerationConfig whose pad id is the model's
+    tokenizer.padding_side = "left"
+    batch = tokenizer(["hello there", "hi"], return_tensors="pt", padding=True).input_ids
+    config = dict(generation_config=GenerationConfig(do_sample=False, max_new_tokens=12), token_healing=True,
+                  tokenizer=tokenizer)
+    out = target.generate(batch, custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                          assistant_model=draft, **config)
+    assert torch.equal(out, target.generate(batch, **config))
 
 
 def test_the_directory_form_refuses_what_it_would_drop():
@@ -967,6 +975,10 @@ def test_a_float_attention_mask_and_flex_attention_trees():
     assert column_bound(target)[1] is None
     target.set_attn_implementation("flex_attention")
     assert "flex" in column_bound(target)[1]
+    prompt = torch.tensor([[1, 5, 9, 2, 5, 9, 2, 5, 9, 4]])
+    kwargs = dict(do_sample=False, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
+    out = target.generate(prompt, custom_generate=hf_specdec.speculative_generate, assistant=draft, tree=True, **kwargs)
+    assert torch.equal(out, target.generate(prompt, **kwargs))
 
 
 def test_a_sliding_window_cache_is_left_as_plain_leaves_it():

@@ -92,12 +92,17 @@ def test_max_rows_and_candidates_without_the_prefix_are_named():
 
 
 class Scribbler(Drafter):
-    """A careless source that writes into the ids it is given."""
+    """A careless source that writes into the ids, prefixes and scores it is given."""
 
     def propose(self, request):
+        last = request.ids[:, -1:].clone()
         request.ids[:, -1] = 60
         request.host[0].append(60)
-        return Proposal(request.ids[:, -1:].repeat(1, min(2, request.max_tokens)), None, "scribbler")
+        request.prefixes.sequences[0][-1] = 61
+        return Proposal(last.repeat(1, min(2, request.max_tokens)), None, "scribbler")
+
+    def update(self, ids, target_scores, num_accepted):
+        target_scores.mul_(0)
 
 
 class ScribblerGenerator(CandidateGenerator):
@@ -115,10 +120,13 @@ def test_a_source_writing_into_its_request_changes_nothing(source):
     work sequence starts as the caller's tensor, and the source was handed it)."""
     target = tiny_model("llama", vocab=64, seed=3)
     ids = PROMPT.clone()
-    out = target.generate(ids, max_new_tokens=16, do_sample=False, custom_generate=hf_specdec.speculative_generate,
-                          candidate_generator=source(), adaptive=False, num_draft_tokens=2)
+    kwargs = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    out = target.generate(ids, custom_generate=hf_specdec.speculative_generate, candidate_generator=source(),
+                          adaptive=False, num_draft_tokens=2, **kwargs)
+    plain = target.generate(PROMPT, **kwargs)
     assert torch.equal(ids, PROMPT)
-    assert out.tolist() == target.generate(PROMPT, max_new_tokens=16, do_sample=False).tolist()
+    assert out.sequences.tolist() == plain.sequences.tolist()
+    assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(out.scores, plain.scores))
 
 
 class WholeSequenceLogits(CandidateGenerator):

@@ -19,6 +19,7 @@ import numbers
 import torch
 
 from ..host import to_device
+from ..sampling import Prefixes
 from ..verify import probability_flaws
 from .base import Drafter, DraftRequest, Proposal
 
@@ -39,11 +40,14 @@ class CheckedDrafter(Drafter):
     def start(self, batch_size: int) -> None:
         self.inner.start(batch_size)
 
+    # A source of one's own is handed copies of what the loop keeps (the work sequence, at first the caller's
+    # input_ids; the scores the output and stopping criteria read): one written in place would change the
+    # output without a word. The library's own sources are not wrapped and pay nothing.
     def add_row(self, ids: torch.Tensor, mask: torch.Tensor) -> None:
-        self.inner.add_row(ids, mask)
+        self.inner.add_row(ids.clone(), mask.clone())
 
     def update(self, ids: torch.Tensor, target_scores: torch.Tensor, num_accepted: int) -> None:
-        self.inner.update(ids.clone(), target_scores, num_accepted)
+        self.inner.update(ids.clone(), target_scores.clone(), num_accepted)
 
     def room(self, longest: int) -> int | None:
         room = self.inner.room(longest)
@@ -55,10 +59,10 @@ class CheckedDrafter(Drafter):
         return self._count("prefill_tokens", self.inner.prefill_tokens(width))
 
     def propose(self, request: DraftRequest) -> Proposal:
-        # copies of the work sequence: one written in place would change the output (and at first the
-        # caller's input_ids, which the loop starts from) without a word
+        prefixes = request.prefixes
         mine = dataclasses.replace(request, ids=request.ids.clone(), host=[list(row) for row in request.host],
-                                   mask=None if request.mask is None else request.mask.clone())
+                                   mask=None if request.mask is None else request.mask.clone(),
+                                   prefixes=Prefixes.of([s.clone() for s in prefixes.sequences], list(prefixes.rows)))
         return self.check(self.inner.propose(mine), request)
 
     def _count(self, what: str, value) -> int:

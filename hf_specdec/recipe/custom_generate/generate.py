@@ -96,10 +96,14 @@ def _heal(model, kwargs):
 
 def _inferred_mask(model, kwargs, ids):
     """The attention mask generate() infers from the ids: padding where the pad id (not an EOS id) occurs."""
-    config = kwargs.get("generation_config") or model.generation_config
-    pad = kwargs.get("pad_token_id", config.pad_token_id)
-    eos = kwargs.get("eos_token_id", config.eos_token_id)
-    eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+    def setting(name):  # as generate() resolves it: keyword, else the config passed, else the model's
+        if name in kwargs:
+            return kwargs[name]
+        passed = getattr(kwargs.get("generation_config"), name, None)
+        return passed if passed is not None else getattr(model.generation_config, name, None)
+
+    pad, eos = setting("pad_token_id"), setting("eos_token_id")
+    eos = [] if eos is None else [eos] if isinstance(eos, int) else [int(e) for e in eos]
     if pad is None or pad in eos or not bool((ids == pad).any()):  # no pad id: generate() uses EOS's, so no inference
         return torch.ones_like(ids)
     return ids.ne(pad).long()

@@ -239,7 +239,7 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     """The windows of `model`'s attention (sliding-window cache layers, local attention); a named error for layers the loop cannot roll
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
-    if not (forward_takes(type(model), "cache") or forward_takes(type(model), "past_key_values")):
+    if not (forward_takes(model, "cache") or forward_takes(model, "past_key_values")):
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) takes no key-value cache (a recurrent state of its own, as RWKV "
             "keeps): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")
@@ -580,5 +580,6 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
             "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary (sizes that differ "
             "by at most 1%, as embedding padding does in some model families, are taken as the same vocabulary)."
         )
-    if assistant.device != model.device:
+    # an accelerate-offloaded model reports meta (its weights wait elsewhere) and computes where its hooks say
+    if assistant.device != model.device and "meta" not in (assistant.device.type, model.device.type):
         raise ValueError(f"the draft is on {assistant.device} but the target is on {model.device}; move them together.")

@@ -101,7 +101,7 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
         return why, why
     if kind == "bloom" or getattr(config, "alibi", False) is True:
         return None, "its ALiBi bias is built from a 2-D mask, and a tree forward passes a 4-D one"
-    if not forward_takes(type(model), "position_ids"):
+    if not forward_takes(model, "position_ids"):
         why = f"{type(model).__name__} takes no position ids: it numbers tokens by their cache columns"
         return why, why
     if getattr(config, "_attn_implementation", None) == "flex_attention":  # seen with torch 2.13 on a CPU
@@ -203,9 +203,14 @@ def add_row(
         layer.values = torch.cat([layer.values, values], dim=0)
 
 
+def forward_takes(model: torch.nn.Module, argument: str) -> bool:
+    """Whether `model`'s forward has a parameter named `argument`: a `torch.compile`d module's, its
+    original's (the wrapper's forward takes `*args, **kwargs`)."""
+    return _takes(type(getattr(model, "_orig_mod", model)), argument)
+
+
 @functools.lru_cache(maxsize=None)
-def forward_takes(model_type: type, argument: str) -> bool:
-    """Whether `model_type.forward` has a parameter named `argument` (read once per class)."""
+def _takes(model_type: type, argument: str) -> bool:  # read once per class
     return argument in inspect.signature(model_type.forward).parameters
 
 
@@ -225,10 +230,10 @@ def extend(
     if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
-    elif forward_takes(type(model), "position_ids"):  # given as generate() gives them: some models (RoBERTa's
+    elif forward_takes(model, "position_ids"):  # given as generate() gives them: some models (RoBERTa's
         # family) number from their padding id when given none
         position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids)
-    kwargs = {"logits_to_keep": num_logits} if forward_takes(type(model), "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": num_logits} if forward_takes(model, "logits_to_keep") else {}
     out = model(
         input_ids=new_ids,
         attention_mask=attention_mask,
@@ -276,7 +281,7 @@ def extend_tree(
         torch.arange(past, past + pending, device=input_ids.device),
         past + pending + to_device(depth, input_ids.device),
     ])[None]
-    kwargs = {"logits_to_keep": n + 1} if forward_takes(type(model), "logits_to_keep") else {}
+    kwargs = {"logits_to_keep": n + 1} if forward_takes(model, "logits_to_keep") else {}
     out = model(
         input_ids=torch.cat([new_ids, tree_tokens], dim=1), attention_mask=mask, position_ids=positions,
         cache=cache, use_cache=True, return_dict=True, **kwargs,

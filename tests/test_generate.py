@@ -998,3 +998,20 @@ def test_a_sliding_window_cache_is_left_as_plain_leaves_it():
     longer = torch.cat([out.sequences, torch.tensor([[3, 4]])], 1)
     after = target.generate(longer, attention_mask=torch.ones_like(longer), cache=out.cache, **kwargs)
     assert after.past_key_values.layers[0].keys.shape[2] == 7
+
+
+def test_an_offloaded_target_and_a_compiled_draft_are_taken():
+    """Before: an accelerate-offloaded target (its weights on meta until a forward) was refused as "on meta",
+    and a torch.compile'd draft as a model without a key-value cache (its wrapper's forward takes **kwargs)."""
+    import copy
+
+    from accelerate import cpu_offload
+
+    target = tiny_model("llama", seed=2)
+    draft = perturbed(target, noise=0.3)
+    plain = target.generate(PROMPT, max_new_tokens=12, do_sample=False)
+    offloaded = cpu_offload(copy.deepcopy(target), execution_device=torch.device("cpu"))
+    assert offloaded.device.type == "meta"
+    assert torch.equal(spec(offloaded, draft, max_new_tokens=12, do_sample=False), plain)
+    compiled = torch.compile(draft, backend="eager")
+    assert torch.equal(spec(target, compiled, max_new_tokens=12, do_sample=False), plain)

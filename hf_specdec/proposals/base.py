@@ -136,6 +136,9 @@ class Drafter(ABC):
     def start(self, batch_size: int) -> None:
         """A new generate call begins (fresh cache and per-call state)."""
 
+    def finish(self) -> None:
+        """The call has ended, however it ended."""
+
     @abstractmethod
     def propose(self, request: DraftRequest) -> Proposal:
         """Up to request.max_tokens draft tokens per row."""

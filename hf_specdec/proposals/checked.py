@@ -40,6 +40,9 @@ class CheckedDrafter(Drafter):
     def start(self, batch_size: int) -> None:
         self.inner.start(batch_size)
 
+    def finish(self) -> None:
+        self.inner.finish()
+
     # A source of one's own is handed copies of what the loop keeps (the work sequence, at first the caller's
     # input_ids; the scores the output and stopping criteria read): one written in place would change the
     # output without a word. The library's own sources are not wrapped and pay nothing.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
@@ -27,6 +28,9 @@ def context_length(config) -> int | None:
 def _confidences(values: list[float]) -> list[float]:
     """Probabilities read back from the draft, NaN (scores that were all NaN: a user's processor) as 0."""
     return [v if v == v else 0.0 for v in values]
+
+
+_CLAIMS = threading.Lock()  # DraftModelDrafter.start: one check-and-claim at a time
 
 
 class DraftModelDrafter(Drafter):
@@ -80,9 +84,24 @@ class DraftModelDrafter(Drafter):
             window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
         self.window = window
         self._past: tuple = (None, None)  # (key, scores) of `_uniform_past`
-        self.start(1)
+        self._user: threading.Thread | None = None  # the thread of the call using it, while one does
+        self._fresh(1)
 
     def start(self, batch_size: int) -> None:
+        """Per-call state lives on the drafter (its cache above all): one call at a time, the others refused."""
+        with _CLAIMS:
+            user, me = self._user, threading.current_thread()
+            if user is not None and user is not me and user.is_alive():
+                raise ValueError(f"this {type(self).__name__} is in use by a call in another thread ({user.name}): it "
+                                 "keeps the call's draft cache, so concurrent calls need one each (or pass "
+                                 "assistant=draft, which makes one per call)")
+            self._user = me
+        self._fresh(batch_size)
+
+    def finish(self) -> None:
+        self._user = None
+
+    def _fresh(self, batch_size: int) -> None:
         if self.window is not None and batch_size > 1:
             raise ValueError(f"a draft window (draft_window={self.window}) works on one row at a time; got a batch of {batch_size}")
         self.cache = new_cache(self.model)
@@ -281,6 +300,9 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
 
     def start(self, batch_size: int) -> None:
         self.drafter.start(batch_size)
+
+    def finish(self) -> None:
+        self.drafter.finish()
 
     def propose(self, request: DraftRequest) -> Proposal:
         return self.drafter.propose(request)

@@ -134,7 +134,7 @@ def validate(
                                     f"tokens leave masked holes, and {holes}. Generate one row at a time.")
     _validate_window(windows, input_ids, generation_config)
     _validate_same_function(model)
-    _validate_rope(model.config, input_ids.shape[1], generation_config.max_length, continuous)
+    _validate_rope(model.config, tuple(input_ids.shape), generation_config.max_length, continuous)
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
@@ -284,21 +284,18 @@ class StreamerNotForwardedError(ValueError):
 
 
 def _generate_frame():
-    """transformers' generate() frame calling this call (through its decorators), or None: a direct call,
-    one nested in another call's criterion or processor included (its frames are not transformers' or torch's)."""
-    import transformers
+    """transformers' generate() frame that called this call as its `custom_generate` (through its decorators
+    or a function of one's own), or None: a direct call, one nested in another call's criterion or processor
+    included (that generate() has no callable custom_generate, or another one)."""
     from transformers.generation.utils import GenerationMixin
 
     code = inspect.unwrap(GenerationMixin.generate).__code__
-    libraries = tuple(os.path.dirname(module.__file__) for module in (transformers, torch))
     frame = sys._getframe(3)
     for _ in range(16):  # generate() -> its decorators -> speculative_generate -> refuse_dropped_streamer
         if frame is None or frame.f_code is code:
-            return frame
-        if not frame.f_code.co_filename.startswith(libraries):  # a frame of other code between: not its caller
-            return None
+            break
         frame = frame.f_back
-    return None
+    return frame if frame is not None and callable(frame.f_locals.get("custom_generate")) else None
 
 
 def kept_streamer() -> BaseStreamer | None:
@@ -531,7 +528,7 @@ def _validate_ids(model: PreTrainedModel, input_ids: torch.Tensor) -> None:
                              "embeddings: was the prompt tokenized for another model?")
 
 
-def _validate_rope(config, width: int, max_length: int, continuous: bool) -> None:
+def _validate_rope(config, shape: tuple[int, int], max_length: int, continuous: bool) -> None:
     """Rotary frequencies that transformers picks by the longest position a forward covers: "dynamic" NTK
     grows them at every new length past the original context, "longrope" switches to its long factors
     once a forward passes it. A verify forward covers positions ahead of plain decoding's one-token step
@@ -546,8 +543,9 @@ def _validate_rope(config, width: int, max_length: int, continuous: bool) -> Non
         limits = [group.get("original_max_position_embeddings"), getattr(config, "max_position_embeddings", None),
                   getattr(config, "original_max_position_embeddings", None)]
         limit = min([int(v) for v in limits if isinstance(v, numbers.Real) and not isinstance(v, bool)], default=0)
-        # longrope is one set of factors throughout once the prompt is past the original context
-        if continuous or (max_length > limit and (kind != "longrope" or width <= limit)):
+        # longrope is one set of factors throughout once a lone row's prompt is past the original context (in a
+        # batch, rows that finish leave, and the others' positions may fall back under it)
+        if continuous or (max_length > limit and (kind != "longrope" or shape[1] <= limit or shape[0] > 1)):
             reach = "a stream mixes prompts at other positions in each forward" if continuous else (
                 f"this call may reach {max_length} (max_length)")
             raise ValueError(

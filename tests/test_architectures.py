@@ -189,7 +189,10 @@ def test_rotary_frequencies_chosen_by_a_forwards_length_are_refused_past_their_s
     with pytest.raises(ValueError, match="a stream mixes prompts"):
         hf_specdec.generate_continuous(target, [prompt[0, :4]], assistant=target, max_new_tokens=2)
     assert torch.equal(target.generate(prompt, max_new_tokens=6, **kwargs), target.generate(prompt, max_new_tokens=6, **plain))
-    if rope["rope_type"] == "longrope":  # a prompt already past the original context: long factors throughout, exact
+    if rope["rope_type"] == "longrope":  # a lone prompt already past the original context: long factors throughout
         longer = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(102))
         out = target.generate(longer, max_new_tokens=30, **kwargs)
         assert torch.equal(out, target.generate(longer, max_new_tokens=30, **plain))
+        # a batch: a row that finishes leaves, and the others' positions may fall back under the context
+        with pytest.raises(ValueError, match="rotary embedding is 'longrope'"):
+            target.generate(longer.repeat(2, 1), max_new_tokens=30, **kwargs)

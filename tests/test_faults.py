@@ -956,7 +956,8 @@ def test_one_draft_model_drafter_in_two_threads_at_once_is_refused(models):
 
     target, draft = models
     drafter = DraftModelDrafter(draft, None, do_sample=False)
-    inside, release, errors = threading.Event(), threading.Event(), []
+    inside, release, done, leave, results = (threading.Event(), threading.Event(), threading.Event(),
+                                             threading.Event(), [])
 
     class Pause(StoppingCriteria):
         def __call__(self, input_ids, scores, **kwargs):
@@ -966,18 +967,27 @@ def test_one_draft_model_drafter_in_two_threads_at_once_is_refused(models):
 
     kwargs = dict(custom_generate=hf_specdec.speculative_generate, candidate_generator=drafter, max_new_tokens=4,
                   do_sample=False)
-    first = threading.Thread(target=lambda: target.generate(torch.tensor([[1, 2, 3]]), stopping_criteria=
-                                                            StoppingCriteriaList([Pause()]), **kwargs))
+    def work():  # a worker that outlives its call (a pool's): the drafter must be free once the call ends
+        results.append(target.generate(torch.tensor([[1, 2, 3]]), stopping_criteria=StoppingCriteriaList([Pause()]),
+                                       **kwargs))
+        done.set()
+        leave.wait(timeout=60)
+
+    first = threading.Thread(target=work)
     first.start()
-    assert inside.wait(timeout=30)
     try:
+        assert inside.wait(timeout=30)
         with pytest.raises(ValueError, match="in use by a call in another thread"):
             target.generate(torch.tensor([[1, 2, 3]]), **kwargs)
+        release.set()
+        assert done.wait(timeout=60) and first.is_alive()
+        out = target.generate(torch.tensor([[1, 2, 3]]), **kwargs)  # Drafter.finish released it
     finally:
         release.set()
+        leave.set()
         first.join(timeout=60)
-    out = target.generate(torch.tensor([[1, 2, 3]]), **kwargs)  # free again once that call ended
-    assert torch.equal(out, target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False))
+    plain = target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, plain) and torch.equal(results[0], plain)
 
 
 def test_a_direct_call_inside_another_generate_call_leaves_its_streamer_alone(models):

@@ -1015,3 +1015,23 @@ def test_an_offloaded_target_and_a_compiled_draft_are_taken():
     assert torch.equal(spec(offloaded, draft, max_new_tokens=12, do_sample=False), plain)
     compiled = torch.compile(draft, backend="eager")
     assert torch.equal(spec(target, compiled, max_new_tokens=12, do_sample=False), plain)
+
+
+def test_a_custom_generate_of_ones_own_calling_hf_specdec_is_still_a_generate_call():
+    """A function of one's own as custom_generate (fixing the draft, timing the call) sits between generate()
+    and hf_specdec: num_return_sequences stays generate()'s to expand, and a streamer= it kept is refused
+    and ended, as with hf_specdec's own callable."""
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+
+    def mine(model, *args, **kwargs):
+        return hf_specdec.speculative_generate(model, *args, assistant=draft, **kwargs)
+
+    out = target.generate(PROMPT, custom_generate=mine, max_new_tokens=4, do_sample=True, num_return_sequences=2)
+    assert out.shape == (2, PROMPT.shape[1] + 4)
+    ends = []
+    streamer = BaseStreamer()
+    streamer.put, streamer.end = (lambda value: None), (lambda: ends.append(1))
+    with pytest.raises(hf_specdec.StreamerNotForwardedError):
+        target.generate(PROMPT, custom_generate=mine, max_new_tokens=4, do_sample=False, streamer=streamer)
+    assert ends == [1]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 
 import torch
 from transformers import LogitsProcessorList, PreTrainedModel
@@ -84,19 +85,19 @@ class DraftModelDrafter(Drafter):
             window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
         self.window = window
         self._past: tuple = (None, None)  # (key, scores) of `_uniform_past`
-        self._user: threading.Thread | None = None  # the thread of the call using it, while one does
+        self._user: weakref.ref | None = None  # the thread of the call using it, while one does
         self._fresh(1)
 
     def start(self, batch_size: int) -> None:
         """Per-call state lives on the drafter (its cache above all): one call at a time, the others refused."""
         with _CLAIMS:
-            user, me = self._user, threading.current_thread()
+            user, me = self._user and self._user(), threading.current_thread()
             if user is not None and user is not me and user.is_alive():
                 raise ValueError(f"this {type(self).__name__} is in use by a call in another thread ({user.name}): it "
                                  "keeps the call's draft cache, so concurrent calls need one each (or pass "
                                  "assistant=draft, which makes one per call)")
-            self._user = me
-        self._fresh(batch_size)
+            self._fresh(batch_size)
+            self._user = weakref.ref(me)  # claimed once started: a start that failed claims nothing
 
     def finish(self) -> None:
         self._user = None
@@ -276,7 +277,7 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
         keep = min(self.drafter.cache.get_seq_length(), input_ids.shape[1] - 1)
         seen = self._seen
         if seen is None or seen.shape[0] != input_ids.shape[0] or not torch.equal(seen[:, :keep], input_ids[:, :keep]):
-            self.drafter.start(input_ids.shape[0])
+            self.drafter._fresh(input_ids.shape[0])  # transformers' own loop: no call to claim it for, nor end
         rollback([self.drafter.cache], keep)
         rows = list(range(input_ids.shape[0]))
         room = self.drafter.room(input_ids.shape[1])  # the draft's context length bounds it

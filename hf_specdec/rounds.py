@@ -304,8 +304,8 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
             scores.append(state.processors.positions(prefixes, drafts, logits[:, first:stop], first))
             return logits_to_probs(scores[-1])
 
-        num_accepted, emitted, target_probs = lazy_speculative_sampling(
-            drafts, proposal.draft_probs, target_probs_at, state.generator, lengths=lengths
+        num_accepted, emitted, target_probs = lazy_speculative_sampling(  # inputs the loop built: not checked
+            drafts, proposal.draft_probs, target_probs_at, state.generator, lengths=lengths, check=False
         )
     else:
         scores.append(state.processors.positions(prefixes, drafts, logits))  # [rows, k + 1, vocab]

@@ -75,6 +75,7 @@ def speculative_sampling(
                         by one recovered or bonus token, then PAD_TOKEN.
     """
     _check_shapes(draft_tokens, target_probs, draft_probs)
+    draft_tokens = draft_tokens.long()  # any integer dtype (uint8 ids compared with a vocabulary past 255 overflow)
     _check_lengths(draft_tokens, lengths, values=True)
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
@@ -93,6 +94,7 @@ def lazy_speculative_sampling(
     generator: torch.Generator | None = None,
     first_chunk: int = 4,  # config.LAZY_FIRST_CHUNK (this module imports nothing of the package)
     lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths, as in `speculative_sampling`
+    check: bool = True,  # the inputs checked by value, as `speculative_sampling` checks them (the loop: False)
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """`speculative_sampling` with p computed only as far as it matters.
 
@@ -110,8 +112,13 @@ def lazy_speculative_sampling(
     Returns num_accepted [batch], emitted_tokens [batch, k + 1] (as `speculative_sampling`) and p
     at the positions computed, [batch, n, vocab] with num_accepted + 1 <= n <= k + 1 for every row.
     """
+    if check and (not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2):
+        raise ValueError(f"draft_tokens must be [batch, k] integer ids, got {tuple(getattr(draft_tokens, 'shape', ()))}")
     batch, k = draft_tokens.shape
-    _check_lengths(draft_tokens, lengths)
+    draft_tokens = draft_tokens.long()
+    _check_lengths(draft_tokens, lengths, values=check)
+    if check:
+        target_probs_at = _checked(draft_tokens, draft_probs, target_probs_at, generator, lengths)
     if not reads_are_free(draft_tokens.device):  # an accelerator: p everywhere at once, no read to decide
         first_chunk = k + 1
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
@@ -179,7 +186,8 @@ def _accepts(
 ) -> torch.Tensor:  # [batch, j] bool
     """Accept x_i with probability min(1, p(x_i) / q(x_i)): u * q < p with u ~ U[0, 1). Written
     without division so that p(x) == 0 never accepts, whatever q(x) is."""
-    index = draft_tokens.clamp_min(0).unsqueeze(-1)  # [batch, j, 1]; padding past a row's length may be PAD_TOKEN
+    # [batch, j, 1]; padding past a row's length may hold anything (PAD_TOKEN): any id in range will do there
+    index = draft_tokens.long().clamp(0, target_probs.shape[-1] - 1).unsqueeze(-1)
     p_x = target_probs[:, : draft_tokens.shape[1]].float().gather(-1, index).squeeze(-1)  # [batch, j]
     if draft_probs is None:
         return uniforms < p_x
@@ -204,8 +212,8 @@ def _extra_token(
     rejected = num_accepted < (k if lengths is None else lengths)  # [batch]: False at the bonus position
     if draft_probs is None:
         # q = one-hot(x): max(0, p - q) is p with x's entry zeroed.
-        x_n = torch.nn.functional.pad(draft_tokens, (0, 1))[rows, num_accepted]  # [batch]
-        residual = p_n.scatter(-1, x_n.clamp_min(0)[:, None], 0.0)  # at a padded position it is the bonus
+        x_n = torch.nn.functional.pad(draft_tokens.long(), (0, 1))[rows, num_accepted]  # [batch]
+        residual = p_n.scatter(-1, x_n.clamp(0, p_n.shape[-1] - 1)[:, None], 0.0)  # at a padded position: the bonus
         residual = torch.where(rejected[:, None], residual, p_n)
     else:
         q_n = torch.nn.functional.pad(draft_probs.float(), (0, 0, 0, 1))[rows, num_accepted]  # [batch, vocab]
@@ -251,6 +259,29 @@ def _assemble(
     return torch.where(positions == n, extra_token.unsqueeze(-1), emitted)
 
 
+def _checked(draft_tokens: torch.Tensor, draft: torch.Tensor | None, target_probs_at: TargetProbsAt,
+             generator: torch.Generator | None, lengths: torch.Tensor | None) -> TargetProbsAt:
+    """`target_probs_at` whose every chunk is checked as `speculative_sampling` checks p (with the ids and q
+    once, at the first chunk), for a caller of the public lazy rule."""
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+    def at(start: int, stop: int) -> torch.Tensor:
+        chunk = target_probs_at(start, stop)
+        shape = (draft_tokens.shape[0], stop - start)
+        if not isinstance(chunk, torch.Tensor) or chunk.dim() != 3 or tuple(chunk.shape[:2]) != shape:
+            raise ValueError(f"target_probs_at({start}, {stop}) must return [batch, {stop - start}, vocab], got "
+                             f"{tuple(getattr(chunk, 'shape', ())) or type(chunk).__name__}")
+        # padded to the rule's whole width: positions outside the chunk are not checked (`used` is False there)
+        full = torch.nn.functional.pad(chunk, (0, 0, start, draft_tokens.shape[1] + 1 - stop), value=1.0 / chunk.shape[-1])
+        if start == 0:
+            _check_shapes(draft_tokens, full, draft)
+        _check_values(draft_tokens, full, draft if start == 0 else None, lengths, ids=start == 0)
+        return chunk
+
+    return at
+
+
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None = None) -> None:
     if draft_tokens.dim() != 2 or draft_tokens.is_floating_point() or draft_tokens.is_complex() or draft_tokens.dtype == torch.bool:
         raise ValueError(f"draft_tokens must be [batch, k] integer ids, got shape {tuple(draft_tokens.shape)} "
@@ -276,16 +307,17 @@ def _check_lengths(draft_tokens: torch.Tensor, lengths: torch.Tensor | None, val
                          f"{tuple(lengths.shape) if isinstance(lengths, torch.Tensor) else type(lengths).__name__}"
                          + (f" of {lengths.dtype}" if isinstance(lengths, torch.Tensor) else ""))
     if values and batch and bool(((lengths < 0) | (lengths > k)).any()):
-        raise ValueError(f"lengths must be in 0..k={k} (the drafts each row proposed), got {lengths.tolist()}")
+        shown = lengths.tolist() if batch <= 8 else f"values from {lengths.min().item()} to {lengths.max().item()}"
+        raise ValueError(f"lengths must be in 0..k={k} (the drafts each row proposed), got {shown}")
 
 
 def _check_values(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
-                  lengths: torch.Tensor | None) -> None:
+                  lengths: torch.Tensor | None, ids: bool = True) -> None:
     """The eager rule's inputs by value where they are used (it is public; the decode loop calls the lazy
     rule, which reads nothing to check): proposed ids inside the vocabulary, and probabilities, not logits,
     at the proposed positions and the bonus position after them (padding past them may hold anything)."""
     vocab, proposed = target.shape[-1], _proposed(draft_tokens, lengths)  # [batch, k]
-    if bool((((draft_tokens < 0) | (draft_tokens >= vocab)) & proposed).any()):
+    if ids and bool((((draft_tokens < 0) | (draft_tokens >= vocab)) & proposed).any()):
         raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {vocab})")
     used = torch.nn.functional.pad(proposed, (1, 0), value=True)  # [batch, k + 1]: p up to the bonus position
     if bool(probability_flaws(target, used)[0]):
@@ -327,6 +359,9 @@ def greedy_tree_verification(
     target_argmax_at: Callable[[int], int],  # node -> the target's argmax after it
 ) -> tuple[list[int], int]:
     """Follow the target's argmax down the tree. Returns (accepted nodes, the extra token)."""
+    tokens, parents = (x.tolist() if isinstance(x, torch.Tensor) else list(x) for x in (tokens, parents))
+    if len(tokens) != len(parents):  # (tensors as dict keys would hash by identity: no child ever found)
+        raise ValueError(f"a tree has one token per node: {len(tokens)} tokens for {len(parents)} parents")
     children = _tree_children(parents)
     node, path = -1, []
     while True:

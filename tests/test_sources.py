@@ -212,3 +212,13 @@ def test_the_librarys_own_sources_are_not_checked(monkeypatch):
     for source in (hf_specdec.NgramDrafter(), hf_specdec.NgramCandidateGenerator(),
                    hf_specdec.DraftModelDrafter(tiny_model("llama", vocab=64, seed=4), None, False)):
         target.generate(PROMPT, custom_generate=hf_specdec.speculative_generate, candidate_generator=source, max_new_tokens=4)
+
+
+def test_the_candidate_generators_say_how_many_tokens_they_draft():
+    """transformers 5.25's assisted loop reads `num_drafting_tokens` (its own generators define it): ours
+    raised AttributeError there."""
+    from hf_specdec.proposals import DraftCandidateGenerator, NgramCandidateGenerator
+
+    target = tiny_model("llama", vocab=64, seed=3)
+    assert DraftCandidateGenerator(target, None, 5, do_sample=False).num_drafting_tokens == 5
+    assert NgramCandidateGenerator(max_tokens=7).num_drafting_tokens == 7

@@ -62,7 +62,8 @@ def test_residual_guard_samples_from_p_when_p_equals_q_up_to_rounding():
     q = torch.tensor([[[0.7, 0.3, 0.0]]])
     gen = torch.Generator().manual_seed(0)
     for _ in range(100):  # the lazy rule (the loop's): the eager one refuses a token its q could not have drawn
-        n, emitted, _ = lazy_speculative_sampling(torch.tensor([[2]]), q, lambda a, b: p[:, a:b], gen)  # p(x) = 0
+        n, emitted, _ = lazy_speculative_sampling(torch.tensor([[2]]), q, lambda a, b: p[:, a:b], gen,  # p(x) = 0
+                                                  check=False)  # unchecked, as the loop calls it
         assert n.item() == 0
         assert emitted[0, 0].item() in (0, 1)
 
@@ -209,6 +210,51 @@ def test_lazy_rule_equals_the_eager_rule_on_the_same_random_stream(first_chunk, 
     assert torch.equal(computed, target[:, : computed.shape[1]])
     assert computed.shape[1] >= int(n.max()) + 1  # p reached every row's extra-token position
     assert asked[-1][0] <= int(n.max())  # and the last chunk was needed by some row
+
+
+@pytest.mark.parametrize("case, message", [
+    ("logits", "target_probs must be probabilities"), ("unnormalized", "draft_probs must be probabilities"),
+    ("out of vocabulary", r"outside the vocabulary \[0, 8\)"), ("q(x) = 0", "give probability 0"),
+    ("lengths past k", r"lengths must be in 0..k=3 .*got \[4\]"), ("1-D ids", r"\[batch, k\] integer ids"),
+    ("a generator of another kind", "generator must be a torch.Generator"),
+])
+def test_the_public_lazy_rule_checks_what_the_eager_rule_checks(case, message):
+    """Before: the exported lazy rule checked shapes only: logits or q x 3 were verified silently, lengths past k
+    drew the bonus from p without token 0 (a wrong law), and bad ids or generators were raw errors."""
+    g = torch.Generator().manual_seed(0)
+    tokens, q, p = torch.tensor([[1, 2, 3]]), torch.rand(1, 3, 8, generator=g), torch.randn(1, 4, 8, generator=g)
+    q, p = q / q.sum(-1, keepdim=True), p.softmax(-1)
+    args, kwargs = {"logits": ((tokens, q, p.log()), {}), "unnormalized": ((tokens, 3 * q, p), {}),
+                    "out of vocabulary": ((tokens + 6, q, p), {}),
+                    "q(x) = 0": ((tokens, torch.nn.functional.one_hot(tokens + 1, 8).float(), p), {}),
+                    "lengths past k": ((tokens, None, p), dict(lengths=torch.tensor([4]))),
+                    "1-D ids": ((tokens[0], q, p), {}),
+                    "a generator of another kind": ((tokens, q, p), dict(generator=3))}[case]
+    draft_tokens, draft, target = args
+    with pytest.raises(ValueError, match=message):
+        lazy_speculative_sampling(draft_tokens, draft, lambda start, stop: target[:, start:stop], **kwargs)
+    n, emitted, _ = lazy_speculative_sampling(tokens, q, lambda start, stop: p[:, start:stop], torch.Generator().manual_seed(1))
+    assert torch.equal(emitted, speculative_sampling(tokens, q, p, torch.Generator().manual_seed(1))[1])
+
+
+def test_padding_ids_of_any_value_and_tree_tensors():
+    """Before: an id past the vocabulary in padding past a row's length was an index error in both sampling
+    rules; uint8 ids overflowed against a vocabulary past 255; a tree given as tensors found no child (tensor
+    keys hash by identity) and accepted nothing, silently."""
+    from hf_specdec import greedy_tree_verification
+
+    p = torch.softmax(torch.randn(2, 4, 300, generator=torch.Generator().manual_seed(0)), -1)
+    tokens, lengths = torch.tensor([[4, 999, 999], [7, 8, 999]]), torch.tensor([1, 2])
+    eager = speculative_sampling(tokens, None, p, torch.Generator().manual_seed(2), lengths=lengths)
+    lazy = lazy_speculative_sampling(tokens, None, lambda a, b: p[:, a:b], torch.Generator().manual_seed(2), lengths=lengths)
+    assert torch.equal(eager[1], lazy[1])
+    small = torch.tensor([[4, 250, 7]], dtype=torch.uint8)
+    assert torch.equal(speculative_sampling(small, None, p[:1], torch.Generator().manual_seed(2))[1],
+                       speculative_sampling(small.long(), None, p[:1], torch.Generator().manual_seed(2))[1])
+    argmax = {-1: 5, 0: 6, 1: 9}.get
+    assert greedy_tree_verification(torch.tensor([5, 6]), torch.tensor([-1, 0]), argmax) == ([0, 1], 9)
+    with pytest.raises(ValueError, match="one token per node: 3 tokens for 2 parents"):
+        greedy_tree_verification([5, 6, 7], [-1, 0], argmax)
 
 
 def test_lazy_rule_stops_asking_once_every_row_rejected():

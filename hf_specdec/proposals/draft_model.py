@@ -291,6 +291,10 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         rollback([self.drafter.cache], input_ids.shape[1] - 1)
 
+    @property
+    def num_drafting_tokens(self) -> int:  # transformers' assisted loop reads it (its own generators define it)
+        return self.num_draft_tokens
+
     # --- the Drafter protocol, delegated ---
 
     source = DRAFT

@@ -126,5 +126,9 @@ class NgramCandidateGenerator(CandidateGenerator):
         proposal = ngram_lookup(input_ids[0], self.drafter.max_ngram, self.drafter.min_ngram, self.drafter.max_tokens)
         return torch.cat([input_ids, proposal[None]], dim=1), None
 
+    @property
+    def num_drafting_tokens(self) -> int:  # transformers' assisted loop reads it (its own generators define it)
+        return self.drafter.max_tokens
+
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
         """Nothing to learn: lookups depend on the sequence only."""

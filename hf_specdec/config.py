@@ -113,7 +113,7 @@ class SpeculativeConfig:
     # Draft-model tokens per round: the most the planner drafts (`adaptive`), or every round's count.
     num_draft_tokens: int = 8
     # The planner chooses each round's proposal by expected tokens per unit of cost (`hf_specdec.planner`).
-    # False: the draft model drafts num_draft_tokens every round (lookups still compete with it).
+    # False: the draft model drafts num_draft_tokens every round (no lookups, no plain steps).
     adaptive: bool = True
     # Retrieval: propose the continuation of an earlier occurrence of the last n tokens of the row
     # (n = NGRAM_MAX_SIZE down to ngram_min_size; a 1-token match is priced by its own acceptance).

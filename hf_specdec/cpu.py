@@ -157,8 +157,14 @@ def pack_linears(model: nn.Module, decode_bits: int | None = None) -> nn.Module:
             "this model shares its weights with another (a self-speculative draft from "
             "hf_specdec.early_exit_draft): packing it in place would change that model's layers too"
         )
-    head_name, _ = _tied_head(model)
+    if type(model) is nn.Linear:
+        raise ValueError("pack_linears packs the Linear layers inside a model, in place: wrap a bare nn.Linear in a "
+                         "module (e.g. nn.Sequential(linear)), or use hf_specdec.PackedLinear(linear)")
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    if decode_bits and not names and any(isinstance(m, PackedLinear) for m in model.modules()):
+        raise ValueError("this model is packed already: decode_bits adds int8 copies only while packing, so pack "
+                         "the model as loaded with pack_linears(model, decode_bits=8)")
+    head_name, _ = _tied_head(model)
     # One layer at a time, holding no reference to the replaced ones: the peak is the model as given
     # plus the packed weights, not a float32 copy of every layer on top (12 GB for the 1.5B target).
     decode: dict[str, WeightOnlyLinear] = {}

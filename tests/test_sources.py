@@ -222,3 +222,30 @@ def test_the_candidate_generators_say_how_many_tokens_they_draft():
     target = tiny_model("llama", vocab=64, seed=3)
     assert DraftCandidateGenerator(target, None, 5, do_sample=False).num_drafting_tokens == 5
     assert NgramCandidateGenerator(max_tokens=7).num_drafting_tokens == 7
+
+
+def test_less_used_entry_points_name_their_inputs():
+    """Before: DraftCandidateGenerator took num_draft_tokens of 0, -1 or True and kept an autograd graph in its
+    logits when called by hand; NgramDrafter raised an IndexError on a request built without `host`;
+    pack_linears raised an AttributeError for a bare nn.Linear and ignored decode_bits on a packed model."""
+    from hf_specdec.cpu import packing_problem
+    from hf_specdec.proposals import DraftCandidateGenerator, DraftRequest, NgramDrafter
+    from hf_specdec.sampling import Prefixes
+
+    target = tiny_model("llama", vocab=64, seed=3)
+    for bad in (0, -1, True, 2.5):
+        with pytest.raises(ValueError, match="num_draft_tokens must be a positive integer"):
+            DraftCandidateGenerator(target, None, bad, do_sample=False)
+    generator = DraftCandidateGenerator(target, None, 3, do_sample=True)
+    _, logits = generator.get_candidates(PROMPT)
+    assert logits is not None and not logits.requires_grad
+    repeats = torch.tensor([[1, 5, 9, 2, 5, 9]])
+    request = DraftRequest(repeats, None, Prefixes.from_tensor(repeats, [0]), 3)  # built without `host`
+    assert NgramDrafter().propose(request).tokens.tolist() == [[2, 5, 9]]
+    if packing_problem():
+        pytest.skip(packing_problem())
+    with pytest.raises(ValueError, match="wrap a bare nn.Linear"):
+        hf_specdec.pack_linears(torch.nn.Linear(3, 4))
+    packed = hf_specdec.pack_linears(tiny_model("llama", vocab=64, seed=3))
+    with pytest.raises(ValueError, match="packed already"):
+        hf_specdec.pack_linears(packed, decode_bits=8)

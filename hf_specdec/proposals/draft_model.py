@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import numbers
 import threading
 import weakref
 
@@ -267,10 +268,13 @@ class DraftCandidateGenerator(CandidateGenerator, Drafter):
         generator: torch.Generator | None = None,
         vocab: int | None = None,  # the target's vocabulary size, where the draft's differs by padding rows
     ):
+        if isinstance(num_draft_tokens, bool) or not isinstance(num_draft_tokens, numbers.Integral) or num_draft_tokens < 1:
+            raise ValueError(f"num_draft_tokens must be a positive integer, got {num_draft_tokens!r}")
         self.drafter = DraftModelDrafter(draft_model, logits_processor, do_sample, generator, vocab=vocab)
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens = int(num_draft_tokens)
         self._seen: torch.Tensor | None = None  # [batch, len]: the sequence the draft cache was built on
 
+    @torch.no_grad()  # called outside generate() too: no graph kept
     def get_candidates(self, input_ids: torch.LongTensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
         # Keep the cached prefix that input_ids still starts with (everything before its last token,
         # after a verification); a sequence that does not continue the last one starts afresh.

@@ -91,7 +91,8 @@ class NgramDrafter(Drafter):
         """Each row's lookup (host tokens, empty where nothing matches) and the size of the match it
         follows (`ngram_match`), from the rows' host sequences: no device read."""
         budget = min(self.max_tokens, request.max_tokens)
-        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap) for seq in request.host]
+        host = request.host or [row.tolist() for row in request.prefixes.sequences]  # a request built without it
+        return [ngram_match(seq, self.max_ngram, self.min_ngram, budget, self.match_cap) for seq in host]
 
     def retrieve(self, request: DraftRequest, max_branches: int) -> tuple[list[list[int]], int]:
         """Every distinct continuation (up to `max_branches`) of the row's last n-gram, for a tree

@@ -140,6 +140,9 @@ def validate(
         _validate_layers(assistant, "draft model (assistant)")
 
 
+_NO_SYNCED_GPUS = "hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)."
+
+
 def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -> None:
     """What the generation config asks for that this loop does not do."""
     if generation_config.max_length is None:
@@ -155,7 +158,7 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
             "it implements greedy and multinomial sampling only."
         )
     if synced_gpus:
-        raise ValueError("hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation).")
+        raise ValueError(_NO_SYNCED_GPUS)
     if getattr(generation_config, "constraints", None) or getattr(generation_config, "force_words_ids", None):
         raise ValueError("hf_specdec does not do constrained beam search (constraints / force_words_ids); "
                          "it implements greedy and multinomial sampling only.")
@@ -331,7 +334,7 @@ def refuse_dropped_streamer(spec_streamer: BaseStreamer | None, assistant=None, 
                          + " (or use the directory form, which takes assistant_model=)")
     synced = frame.f_locals.get("synced_gpus")
     if synced or (synced is None and model is not None and _sharded_across_processes(model)):
-        _validate_strategy(GenerationConfig(max_length=1), synced_gpus=True)
+        raise ValueError(_NO_SYNCED_GPUS)
     dropped = frame.f_locals.get("streamer")
     if dropped is None or dropped is spec_streamer:
         return

@@ -341,14 +341,14 @@ def _settle_cache(state: DecodeState, sequences: torch.Tensor) -> Cache | None:
     last (tokens accepted past a stop are cut). A batch's or a stream's columns hold this loop's holes
     and padding, which a plain call would misread: that cache is emptied (`Cache.reset`; a follow-up
     call encodes its whole input) and None is returned."""
-    if state.requests is None and sequences.shape[0] == 1:  # a single row never has holes
+    kept = state.requests is None and sequences.shape[0] == 1  # a single row never has holes
+    if kept:
         rollback([state.cache], sequences.shape[1] - 1)
-        if state.cache.get_seq_length() == sequences.shape[1] - 1:
-            stop_recording(state.cache)
-            return state.cache
-    state.cache.reset()
+        kept = state.cache.get_seq_length() == sequences.shape[1] - 1
+    if not kept:
+        state.cache.reset()
     stop_recording(state.cache)
-    return None
+    return state.cache if kept else None
 
 
 def _pad_token_id(generation_config: GenerationConfig) -> int:

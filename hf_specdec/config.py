@@ -68,6 +68,9 @@ class Costs:
                 _check_number("verify (each width's price)", value)
             if not values or not all(v > 0 for v in values):
                 raise ValueError(f"verify needs a price per width, each > 0 (a forward is never free), got {self.verify!r}")
+            if abs(values[0] - 1.0) > 1e-3:  # seconds, or a curve over another unit: every price would be off
+                raise ValueError(f"verify's first entry is a one-token forward's price, 1 by definition (prices are in "
+                                 f"target one-token steps), got {values[0]!r}: divide the curve by it")
             object.__setattr__(self, "verify", tuple(float(v) for v in values))
         else:
             _check_number("verify", self.verify)
@@ -157,8 +160,7 @@ class SpeculativeConfig:
         window = self.draft_window
         if window is not None and window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"draft_window must be a positive integer, None or 'auto', got {window!r}")
-        if self.costs is not None and not isinstance(self.costs, Costs):
-            raise ValueError(f"costs must be an hf_specdec.Costs (pinned prices) or None, got {type(self.costs).__name__}")
+        _check_costs("costs", self.costs)
 
 
 # The settings' names: every one is also a keyword argument of `speculative_generate`.
@@ -181,6 +183,11 @@ def _check_int(name: str, value, minimum: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
         raise ValueError(f"{name} must be {kind}, got {value!r}")
+
+
+def _check_costs(name: str, value) -> None:
+    if value is not None and not isinstance(value, Costs):
+        raise ValueError(f"{name} must be an hf_specdec.Costs (pinned prices) or None, got {type(value).__name__}")
 
 
 def _check_number(name: str, value, positive: bool = False) -> None:

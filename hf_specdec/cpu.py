@@ -38,7 +38,7 @@ the draft so. In an eval's cost table the draft's step fell from 0.35-0.45 of a 
 Memory: float32 weights, twice bf16's (6.2 GB for the 1.5B target; an int8 decode copy adds a quarter
 of that, 0.5 GB for the 0.5B draft). A tied output head gets its own
 packed copy (the embedding keeps its float32 weight; `config.tie_word_embeddings` is set to False).
-CPU only: the packed layout is this CPU's; pack after loading, do not save a packed model.
+CPU only: the packed layout is this CPU's; pack after loading (a packed model refuses state_dict and so save_pretrained).
 `PackedLinear.weight` is a shape-only meta tensor, so code that reads a head's `weight.shape` works.
 """
 
@@ -81,6 +81,13 @@ def packing_problem() -> str | None:
     return None
 
 
+def _unsaveable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+    """state_dict() of a packed model (save_pretrained reads it): refused, since it would hold no weights."""
+    raise RuntimeError(f"{prefix.rstrip('.') or 'this PackedLinear'} is packed by hf_specdec.pack_linears: its weight is held in "
+                       "this CPU's oneDNN layout, which a state_dict (save_pretrained, torch.save of the weights) cannot hold, so "
+                       "it would be saved without weights. Save the model before packing it, and pack after loading.")
+
+
 class PackedLinear(nn.Module):
     """A float32 Linear whose weight is held in oneDNN's blocked layout (see the module docstring)."""
 
@@ -97,6 +104,7 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(torch.float32).contiguous(), None)
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self.weight = torch.empty(self.out_features, self.in_features, device="meta")  # shape only
+        self.register_state_dict_pre_hook(_unsaveable)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
@@ -116,6 +124,7 @@ class PackedLinear(nn.Module):
         nn.Module.__init__(new)
         new.in_features, new.out_features = self.in_features, self.out_features
         new.packed, new.weight = self.packed, self.weight
+        new.register_state_dict_pre_hook(_unsaveable)
         new.register_buffer("bias", None if self.bias is None else self.bias.clone())
         new.decode, new.decode_rows = self.decode, self.decode_rows  # shared too: never written
         return new

@@ -17,9 +17,8 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
   j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
 
-Exactness does not depend on any of this: every decision is a function of the past rounds and of the
-draft's own tokens before the one decided on, never of the uniforms that verify them. Measured costs
-come from wall time, so seeded runs repeat only with `costs=` pinned. Pure Python, host numbers only.
+Exactness does not depend on any of this: every decision is a function of the past rounds and of the draft's own
+tokens before the one decided on, never of the uniforms that verify them. Seeded runs repeat with `costs=` pinned.
 """
 
 from __future__ import annotations
@@ -27,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .config import PREFILL_RATIO, Costs
+from .config import PREFILL_RATIO, Costs, _check_costs, _check_int
 from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
@@ -242,6 +241,7 @@ class Planner:
     """Plans each round of one generate call (see the module docstring)."""
 
     def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1, lazy: bool = False):
+        _check_int("Planner's max_draft", max_draft, 1), _check_int("Planner's rows", rows, 1), _check_costs("Planner's costs", costs)
         self.max_draft, self.adaptive = max_draft, adaptive
         self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)

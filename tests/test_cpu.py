@@ -85,6 +85,13 @@ def test_a_packed_model_can_be_copied():
         assert torch.equal(twin(IDS).logits, model(IDS).logits)
 
 
+def test_a_packed_model_is_not_saved_without_its_weights(tmp_path):
+    for model in (pack_linears(tiny_model("llama")), copy.deepcopy(pack_linears(tiny_model("llama")))):
+        with pytest.raises(RuntimeError, match="q_proj is packed.*Save the model before packing"):
+            model.save_pretrained(tmp_path)  # wrote a model without a single linear weight, silently
+        assert not list(tmp_path.glob("*.safetensors"))
+
+
 def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():
     """pack_linears(decode_bits=8): inputs of at most DECODE_ROWS rows get exactly the int8 weight-only
     layer of the weight as given (bf16 compute), wider ones exactly the packed float32 weight. A copy of

@@ -90,6 +90,9 @@ def test_pinned_costs_price_every_width_and_read_no_clock():
             Costs(**bad)
     with pytest.raises(ValueError, match="costs must be"):
         hf_specdec.SpeculativeConfig(costs={"draft_step": 0.1})
+    with pytest.raises(ValueError, match="1 by definition"):  # seconds, not steps: every price was off by 5x
+        Costs(draft_step=0.2, verify=(0.2, 0.21, 0.23))
+    assert Costs(draft_step=0.2, verify=(1.0004, 1.05)).verify_price(1) == 1.0004  # a table rounded to 4 places
 
 
 def test_the_verify_slope_is_measured_from_the_prompt_and_one_step_before_anything_is_drafted():
@@ -582,3 +585,10 @@ def test_each_round_records_the_positions_its_target_scored():
     assert all(r.scored == lazy_scored(len(r.draft_tokens), r.num_accepted) for r in records)
     assert [lazy_scored(20, n) for n in (0, 3, 4, 11, 12, 20)] == [4, 4, 12, 12, 21, 21]  # the evals charge this
     assert any(r.scored < len(r.draft_tokens) + 1 for r in records)  # the lazy rule stopped early somewhere
+
+
+def test_planner_arguments_are_checked_by_name():
+    for bad, name in [(dict(max_draft=0), "max_draft"), (dict(max_draft=2.5), "max_draft"), (dict(max_draft=8, rows=0), "rows"),
+                      (dict(max_draft=8, costs={"draft_step": 0.2}), "costs")]:
+        with pytest.raises(ValueError, match=name):  # each was taken and failed later, or priced nothing
+            Planner(**bad)

@@ -236,6 +236,8 @@ def _start(
     drafter, foreign = _drafter(config, assistant, candidate_generator, logits_processor, generation_config,
                                 generator, input_ids, vocab)
     drafter.start(rows)
+    if (inner := inner_drafter(candidate_generator)) is not None:
+        inner.vocab = vocab  # once this call holds it: not under a call in another thread
     try:  # a failure below must not leave the drafter claimed by this call
         # A foreign generator is used as it is, every round; our drafters take part in the planner.
         planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
@@ -290,8 +292,6 @@ def _drafter(
 ) -> tuple[Drafter, bool]:
     """(the draft source, whether it is a foreign transformers generator, wrapped here once). A draft
     model of ours proposes over the target's `vocab` ids (its own may differ by padding rows)."""
-    if (inner := inner_drafter(candidate_generator)) is not None:
-        inner.vocab = vocab
     if candidate_generator is not None and isinstance(config.draft_window, int):
         logger.warning("draft_window=%d shapes the draft built from assistant=; a candidate_generator drafts as it was "
                        "made (DraftModelDrafter(draft, ..., window=%d) for a window)", config.draft_window, config.draft_window)

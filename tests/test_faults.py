@@ -990,6 +990,32 @@ def test_one_draft_model_drafter_in_two_threads_at_once_is_refused(models):
     assert torch.equal(out, plain) and torch.equal(results[0], plain)
 
 
+def test_a_refused_concurrent_call_leaves_the_drafters_vocabulary_alone():
+    """Before: the refused call set the drafter's vocabulary to its own target's (101 rows) before the
+    refusal, under the call that holds it (100 rows)."""
+    from hf_specdec.proposals import DraftModelDrafter
+
+    drafter = DraftModelDrafter(tiny_model(vocab=100, seed=1), None, do_sample=False, vocab=100)
+    held, leave = threading.Event(), threading.Event()
+
+    def hold():  # a call in another thread, holding the drafter
+        drafter.start(1)
+        held.set()
+        leave.wait(timeout=60)
+
+    other = threading.Thread(target=hold)
+    other.start()
+    try:
+        assert held.wait(timeout=30)
+        with pytest.raises(ValueError, match="in use by a call in another thread"):
+            tiny_model(vocab=101).generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate,
+                                           candidate_generator=drafter, max_new_tokens=4, do_sample=False)
+        assert drafter.vocab == 100
+    finally:
+        leave.set()
+        other.join(timeout=60)
+
+
 def test_a_direct_call_inside_another_generate_call_leaves_its_streamer_alone(models):
     """Before: the nested call found the outer generate()'s frame, took its streamer for one it had kept,
     ended it and refused itself."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Union
 
 # Where a round's proposal came from: the draft model, an n-gram lookup, or nowhere (a plain step).
@@ -134,6 +134,15 @@ class AcceptanceStats:
             per_position_rate=self.per_position_rate,
         )
         return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "AcceptanceStats":
+        """The counters `to_dict` wrote (say, read back from JSON); its derived rates are recomputed, not read."""
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names - {"acceptance_rate", "token_acceptance", "mean_tokens_per_round", "per_position_rate"}
+        if unknown:
+            raise ValueError(f"AcceptanceStats.from_dict: unknown fields {sorted(unknown)}; it reads what to_dict writes")
+        return cls(**{name: list(value) if isinstance(value, list) else value for name, value in data.items() if name in names})
 
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         """Sum of two sets of counters (e.g. over prompts)."""

@@ -502,6 +502,10 @@ def test_acceptance_stats_add_up_and_sink_gets_one_record_per_round(tmp_path):
         accepted_i = sum(r.num_accepted > i for r in records)
         assert rate == pytest.approx(accepted_i / reached_i if reached_i else 0.0)
     assert stats.mean_tokens_per_round == pytest.approx(30 / stats.rounds)
+    back = hf_specdec.AcceptanceStats.from_dict(json.loads(json.dumps(stats.to_dict())))  # saved as JSON, read back
+    assert back == stats and back.merge(stats).rounds == 2 * stats.rounds
+    with pytest.raises(ValueError, match="unknown fields"):
+        hf_specdec.AcceptanceStats.from_dict({**stats.to_dict(), "roundz": 1})
     emitted = sum((r.emitted_tokens for r in records), [])
     assert emitted == out.sequences[0, PROMPT.shape[1] :].tolist()
     # p is computed up to each row's first rejection (and perhaps a little further): every reached position

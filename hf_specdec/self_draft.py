@@ -50,6 +50,12 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
     """A copy of `module` holding the same child modules, parameters and buffers, with containers of
     its own: changing the copy's children, or registering a hook on either one, leaves the other alone
     (copy.copy alone would share the `_modules` and hook dictionaries)."""
+    if "forward" in vars(module) or hasattr(module, "_hf_hook"):  # bound to `module`: the copy would run it whole
+        how = ("accelerate's dispatch hooks (a device_map that offloads)" if hasattr(module, "_hf_hook")
+               else "a forward set on the instance (e.g. model.forward = torch.compile(model.forward))")
+        raise ValueError(f"early_exit_draft cannot share this model's {type(module).__name__}: it has {how}, which its "
+                         "copy would keep, so the draft would run every layer. Make the draft from a model without "
+                         "them (loaded on one device; compile the draft itself afterwards)")
     out = copy.copy(module)
     for key, value in vars(module).items():
         if isinstance(value, dict):

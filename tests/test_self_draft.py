@@ -162,6 +162,23 @@ def test_hooks_on_the_target_do_not_fire_on_the_draft():
     assert calls == ["target", "draft"]
 
 
+def test_a_forward_bound_to_the_target_is_refused_not_copied():
+    """Before: the copy kept the instance forward, bound to the target, so the draft ran every layer
+    (with accelerate's offloading hooks: the full target's logits, then an IndexError in the cache)."""
+    from accelerate.hooks import AlignDevicesHook, add_hook_to_module
+
+    ids = torch.tensor([[1, 2, 3]])
+    hooked = tiny_model("llama", layers=LAYERS)
+    add_hook_to_module(hooked, AlignDevicesHook(io_same_device=True))  # what dispatch_model adds
+    compiled = tiny_model("llama", layers=LAYERS)
+    compiled.model.forward = compiled.model.forward  # an instance forward, as model.forward = torch.compile(...) sets
+    for target, name in ((hooked, "dispatch hooks"), (compiled, "forward set on the instance")):
+        with pytest.raises(ValueError, match=name):
+            hf_specdec.early_exit_draft(target, 1)
+    plain = tiny_model("llama", layers=LAYERS)
+    assert not torch.allclose(hf_specdec.early_exit_draft(plain, 1)(ids).logits, plain(ids).logits)
+
+
 def test_cli_runs_with_a_self_draft(tmp_path, capsys):
     """`hf-specdec generate --draft self:L` on a saved tiny target (a local folder), greedy."""
     import sys

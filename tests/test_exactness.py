@@ -18,6 +18,7 @@ repeats the key checks with one call a sample.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections import Counter
 
@@ -246,6 +247,18 @@ def test_sampling_is_exact_with_a_hotter_draft(pair):
     hotter = DraftModelDrafter(draft, hot, do_sample=True)
     (samples,) = sample_rows(target, 3, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=hotter))
     assert law_pvalue(law, samples, "a draft at temperature 1.6") > ALPHA
+
+
+def test_a_draft_whose_logits_are_nan_drafts_from_a_uniform_q_and_stays_exact(pair, proposed):
+    """Before: torch.multinomial's raw 'probability tensor contains either inf, nan' on the first draw
+    (a draft that overflows), where plain sampling, which never runs the draft, works."""
+    target, draft, law = pair
+    broken = copy.deepcopy(draft)
+    with torch.no_grad():
+        broken.lm_head.weight[3] = float("nan")  # every row's logits NaN at token 3: softmax NaN everywhere
+    (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(broken))
+    assert proposed[0] == [(DRAFT, 2)] * SAMPLES  # drafted (from a uniform q) and verified, not skipped
+    assert law_pvalue(law, samples, "a draft with NaN logits") > ALPHA
 
 
 def test_sampling_is_exact_with_a_large_vocabulary():

@@ -225,6 +225,8 @@ class DraftModelDrafter(Drafter):
             scores = torch.where(dead, self._uniform_past(scores), scores)
         if self.do_sample:
             q = logits_to_probs(scores)
+            # a row whose scores went NaN or infinite (a draft overflowing) drafts from a uniform q: still exact
+            q = torch.where(q.isfinite().all(dim=-1, keepdim=True), q, 1.0 / q.shape[-1])
             token = sample(q, self._drawing)
         else:
             q, token = None, scores.argmax(dim=-1)

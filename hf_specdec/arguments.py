@@ -548,14 +548,15 @@ def _validate_rope(config, shape: tuple[int, int], max_length: int, continuous: 
         limit = min([int(v) for v in limits if isinstance(v, numbers.Real) and not isinstance(v, bool)], default=0)
         # longrope is one set of factors throughout once a lone row's prompt is past the original context (in a
         # batch, rows that finish leave, and the others' positions may fall back under it)
-        if continuous or (max_length > limit and (kind != "longrope" or shape[1] <= limit or shape[0] > 1)):
+        # the last token is never fed: forwards cover positions up to max_length - 2, as plain's do
+        if continuous or (max_length - 1 > limit and (kind != "longrope" or shape[1] <= limit or shape[0] > 1)):
             reach = "a stream mixes prompts at other positions in each forward" if continuous else (
                 f"this call may reach {max_length} (max_length)")
             raise ValueError(
                 f"the target's rotary embedding is {kind!r}: transformers chooses its frequencies by the longest "
                 f"position each forward covers, and they change past {limit} positions. Verifying several tokens "
                 f"reaches a position before plain decoding does, so past {limit} the output would differ from "
-                f"plain decoding; {reach}. Generate up to {limit} tokens in all (prompt included) one call at a "
+                f"plain decoding; {reach}. Generate up to {limit + 1} tokens in all (prompt included) one call at a "
                 "time, or use plain generate().")
 
 

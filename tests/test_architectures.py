@@ -188,7 +188,10 @@ def test_rotary_frequencies_chosen_by_a_forwards_length_are_refused_past_their_s
         target.generate(prompt, max_new_tokens=40, **kwargs)
     with pytest.raises(ValueError, match="a stream mixes prompts"):
         hf_specdec.generate_continuous(target, [prompt[0, :4]], assistant=target, max_new_tokens=2)
-    assert torch.equal(target.generate(prompt, max_new_tokens=6, **kwargs), target.generate(prompt, max_new_tokens=6, **plain))
+    # up to 17 tokens in all: the 17th is never fed, so no forward passes 16 positions (7 new tokens were refused)
+    assert torch.equal(target.generate(prompt, max_new_tokens=7, **kwargs), target.generate(prompt, max_new_tokens=7, **plain))
+    with pytest.raises(ValueError, match="reach 18.*up to 17 tokens"):
+        target.generate(prompt, max_new_tokens=8, **kwargs)
     if rope["rope_type"] == "longrope":  # a lone prompt already past the original context: long factors throughout
         longer = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(102))
         out = target.generate(longer, max_new_tokens=30, **kwargs)

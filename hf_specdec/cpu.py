@@ -81,11 +81,19 @@ def packing_problem() -> str | None:
     return None
 
 
-def _unsaveable(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    """state_dict() of a packed model (save_pretrained reads it): refused, since it would hold no weights."""
+def _unsaveable(module: nn.Module, prefix: str, *args) -> None:
+    """state_dict() of a packed model (save_pretrained reads it), or load_state_dict() into one: refused,
+    since its weights could be neither saved nor loaded."""
     raise RuntimeError(f"{prefix.rstrip('.') or 'this PackedLinear'} is packed by hf_specdec.pack_linears: its weight is held in "
-                       "this CPU's oneDNN layout, which a state_dict (save_pretrained, torch.save of the weights) cannot hold, so "
-                       "it would be saved without weights. Save the model before packing it, and pack after loading.")
+                       "this CPU's oneDNN layout, which a state_dict (save_pretrained, torch.save of the weights, "
+                       "load_state_dict) cannot hold, so it would be saved without weights or keep its old ones. Save "
+                       "or load the model before packing it, and pack after loading.")
+
+
+
+def _unloadable(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    if prefix + "weight" in state_dict:  # a checkpoint's weight: load_state_dict(strict=False) skipped it silently
+        _unsaveable(module, prefix)
 
 
 class PackedLinear(nn.Module):
@@ -93,6 +101,10 @@ class PackedLinear(nn.Module):
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
+        weight = getattr(linear, "weight", None) if isinstance(linear, nn.Linear) else None
+        if not isinstance(weight, torch.Tensor) or weight.device.type != "cpu":
+            where = "" if not isinstance(weight, torch.Tensor) else f" with its weight on {weight.device.type}"
+            raise ValueError(f"PackedLinear packs a torch.nn.Linear on the CPU, got {type(linear).__name__}{where}")
         self._pack(linear.weight.detach(), None if linear.bias is None else linear.bias.detach())
         # An int8 weight-only copy for inputs of at most `decode_rows` rows (`pack_linears(decode_bits=8)`).
         self.decode: WeightOnlyLinear | None = None
@@ -105,10 +117,17 @@ class PackedLinear(nn.Module):
         self.register_buffer("bias", None if bias is None else bias.to(torch.float32))
         self.weight = torch.empty(self.out_features, self.in_features, device="meta")  # shape only
         self.register_state_dict_pre_hook(_unsaveable)
+        self.register_load_state_dict_pre_hook(_unloadable)
+
+    def __getstate__(self):  # pickle, torch.save(model): torch's own message named an opaque tensor's storage
+        _unsaveable(self, "")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError(f"a PackedLinear computes on the CPU (its weight is oneDNN's CPU layout); got input on {x.device}")
+        if x.dtype != torch.float32:  # computed in float32 whatever the input: silently mixed, or oneDNN's own error
+            raise RuntimeError(f"a model packed by hf_specdec.pack_linears computes in float32, but a packed layer got "
+                               f"{x.dtype} inputs: the model was cast after packing (e.g. .half()). Cast it before packing")
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if self.decode is not None and flat.shape[0] <= self.decode_rows:
@@ -125,6 +144,7 @@ class PackedLinear(nn.Module):
         new.in_features, new.out_features = self.in_features, self.out_features
         new.packed, new.weight = self.packed, self.weight
         new.register_state_dict_pre_hook(_unsaveable)
+        new.register_load_state_dict_pre_hook(_unloadable)
         new.register_buffer("bias", None if self.bias is None else self.bias.clone())
         new.decode, new.decode_rows = self.decode, self.decode_rows  # shared too: never written
         return new

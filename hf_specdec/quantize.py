@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import numbers
 
 import torch
 from torch import nn
@@ -229,7 +230,14 @@ def _check_arguments(model: nn.Module, bits: int) -> None:
     already would be left as it is)."""
     if not isinstance(model, nn.Module):
         raise ValueError(f"quantize_weights takes a torch model (an nn.Module), got {type(model).__name__}")
-    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in SUPPORTED_BITS:
+    if type(model) is nn.Linear:  # it cannot replace itself: it stayed float under a child named ''
+        raise ValueError("quantize_weights replaces the Linear layers inside a model, in place: wrap a bare nn.Linear "
+                         "in a module (e.g. nn.Sequential(linear)), or use WeightOnlyLinear.from_linear(linear, bits)")
+    meta = sorted({name.rpartition(".")[0] for name, p in model.named_parameters() if p.device.type == "meta"})
+    if meta and bits != 16:  # offloaded by accelerate, or never loaded: their int weights would be meta, never filled
+        raise ValueError(f"quantize_weights needs the weights in memory; {len(meta)} modules have theirs on meta "
+                         f"(offloaded by a device_map, or not loaded), e.g. {meta[:3]}: quantize the model before dispatching it")
+    if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bits={bits!r}: quantize_weights supports {SUPPORTED_BITS} (16 = unchanged)")
     done = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("WeightOnlyLinear", "PackedLinear")})
     if done and bits != 16:
@@ -257,7 +265,11 @@ def quantize_weights(
         raise ValueError(f"include_lm_head must be True or False, got {include_lm_head!r}")
     if bits == 16:
         return model
-    skip = (skip,) if isinstance(skip, str) else tuple(skip)  # one name, not its letters
+    if skip is None or isinstance(skip, str):
+        skip = () if skip is None else (skip,)  # one name, not its letters
+    elif not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in skip):
+        raise ValueError(f"skip must be module names (a str or a sequence of them, as in model.named_modules()), got {skip!r}")
+    bits = int(bits)  # a numpy integer (a sweep's value)
     if getattr(model, "shares_weights_with", None) is not None:
         raise ValueError(
             "this model shares its weights with another (a self-speculative draft from "

@@ -87,9 +87,25 @@ def test_a_packed_model_can_be_copied():
 
 def test_a_packed_model_is_not_saved_without_its_weights(tmp_path):
     for model in (pack_linears(tiny_model("llama")), copy.deepcopy(pack_linears(tiny_model("llama")))):
-        with pytest.raises(RuntimeError, match="q_proj is packed.*Save the model before packing"):
+        with pytest.raises(RuntimeError, match="q_proj is packed.*Save or load the model before packing"):
             model.save_pretrained(tmp_path)  # wrote a model without a single linear weight, silently
         assert not list(tmp_path.glob("*.safetensors"))
+    packed, checkpoint = pack_linears(tiny_model("llama")), tiny_model("llama", seed=5).state_dict()
+    with pytest.raises(RuntimeError, match="is packed by hf_specdec.pack_linears"):
+        packed.load_state_dict(checkpoint, strict=False)  # skipped every linear weight, silently
+    with pytest.raises(RuntimeError, match="is packed by hf_specdec.pack_linears"):
+        torch.save(packed, tmp_path / "model.pt")  # torch's message named an opaque tensor's storage
+
+
+def test_a_packed_model_cast_afterwards_is_named_and_bad_layers_refused():
+    """Before: .half() after packing ran silently in mixed precision (a bias made it oneDNN's own error,
+    a tree round's mask an SDPA dtype error); PackedLinear(None) was an AttributeError."""
+    model = pack_linears(tiny_model("qwen2")).half()
+    with pytest.raises(RuntimeError, match="cast after packing"):
+        model(IDS)
+    for bad in (None, tiny_model("llama"), torch.zeros(3, 3), nn.Linear(4, 4, device="meta")):
+        with pytest.raises(ValueError, match="PackedLinear packs a torch.nn.Linear on the CPU"):
+            PackedLinear(bad)
 
 
 def test_int8_decode_copies_take_few_rows_and_the_packed_weight_the_rest():

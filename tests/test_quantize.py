@@ -157,6 +157,24 @@ def test_bad_models_and_skips_are_named():
         quantize_weights(model, 4)
 
 
+def test_bare_linears_meta_weights_and_odd_skips_are_named():
+    """Before: a bare Linear stayed float under a child named ''; offloaded (meta) weights were quantized
+    into meta buffers that the int kernels read as garbage (1e21); skip=None and skip=5 were TypeErrors."""
+    import numpy as np
+    from accelerate import init_empty_weights
+
+    with pytest.raises(ValueError, match="wrap a bare nn.Linear"):
+        quantize_weights(nn.Linear(32, 32), 8)
+    with init_empty_weights():
+        empty = tiny_model()
+    with pytest.raises(ValueError, match="have theirs on meta"):
+        quantize_weights(empty, 8)
+    with pytest.raises(ValueError, match="skip must be module names"):
+        quantize_weights(tiny_model(), 8, skip=5)
+    model = quantize_weights(tiny_model(), np.int64(8), skip=None)  # a sweep's numpy value; no skips
+    assert all(type(m) is not nn.Linear for m in model.model.layers.modules())
+
+
 def test_bits_16_is_a_no_op():
     model = tiny_model()
     modules = dict(model.named_modules())

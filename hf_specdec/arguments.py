@@ -591,6 +591,11 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
             id(m) for m in owner.modules()}:
         raise ValueError("the early-exit draft holds layers its model no longer has: it was made before that model's "
                          "layers were replaced (pack_linears, quantize_weights); call hf_specdec.early_exit_draft after")
+    dtypes = sorted({str(p.dtype) for p in owner.parameters() if p.is_floating_point()}) if owner is not None else []
+    if len(dtypes) > 1:  # the shared layers were cast with the draft: the target computes in two dtypes
+        raise ValueError(f"the early-exit draft's model now has weights in {' and '.join(dtypes)}: an early-exit draft "
+                         "shares its layers with its model, so casting the draft (.half(), .to(dtype)) cast that part of "
+                         "the target too. Cast the target, then make the draft (hf_specdec.early_exit_draft)")
     target_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = assistant.get_output_embeddings().weight.shape[0]
     if target_vocab != draft_vocab and not padding_rows(target_vocab, draft_vocab):

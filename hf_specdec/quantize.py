@@ -245,6 +245,15 @@ def _check_arguments(model: nn.Module, bits: int) -> None:
                          "model as loaded")
 
 
+def _skips(skip) -> tuple[str, ...]:
+    """quantize_weights' skip as a tuple of names: None is none, a str one name (not its letters)."""
+    if skip is None or isinstance(skip, str):
+        return () if skip is None else (skip,)
+    if not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in skip):
+        raise ValueError(f"skip must be module names (a str or a sequence of them, as in model.named_modules()), got {skip!r}")
+    return tuple(skip)
+
+
 def quantize_weights(
     model: nn.Module,
     bits: int,
@@ -265,11 +274,7 @@ def quantize_weights(
         raise ValueError(f"include_lm_head must be True or False, got {include_lm_head!r}")
     if bits == 16:
         return model
-    if skip is None or isinstance(skip, str):
-        skip = () if skip is None else (skip,)  # one name, not its letters
-    elif not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in skip):
-        raise ValueError(f"skip must be module names (a str or a sequence of them, as in model.named_modules()), got {skip!r}")
-    bits = int(bits)  # a numpy integer (a sweep's value)
+    skip, bits = _skips(skip), int(bits)  # bits: a numpy integer too (a sweep's value)
     if getattr(model, "shares_weights_with", None) is not None:
         raise ValueError(
             "this model shares its weights with another (a self-speculative draft from "

@@ -60,6 +60,10 @@ def test_early_exit_shares_every_weight_and_refuses_in_place_quantization():
         with pytest.raises(ValueError, match="num_layers must be an integer"):
             hf_specdec.early_exit_draft(target, bad)
     assert hf_specdec.early_exit_draft(target, np.int64(2)).config.num_hidden_layers == 2
+    cast = hf_specdec.early_exit_draft(target, 2).half()  # casts the layers it shares: the target is half float16
+    with pytest.raises(ValueError, match="now has weights in torch.float16 and torch.float32.*Cast the target, then"):
+        target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate, assistant=cast,
+                        max_new_tokens=3)  # a raw 'expected m1 and m2 to have the same dtype'
 
 
 def test_greedy_identity_with_a_self_draft(arch):

@@ -572,6 +572,21 @@ def _validate_same_function(model: PreTrainedModel) -> None:
                          "(decode copies are for drafts), or pass hf_specdec.cpu.without_decode_copies(target)")
 
 
+def _validate_cast_together(owner: PreTrainedModel, draft: PreTrainedModel) -> None:
+    """An early-exit draft cast on its own (.half()) cast the layers it shares with its model: the model's
+    weights it shares and those it does not then have no dtype in common (a raw dtype error in a forward)."""
+    shared = {id(p) for p in draft.parameters()}
+    dtypes = {True: set(), False: set()}  # shared with the draft or not -> floating dtypes
+    for p in owner.parameters():
+        if p.is_floating_point():
+            dtypes[id(p) in shared].add(p.dtype)
+    if dtypes[True] and dtypes[False] and not dtypes[True] & dtypes[False]:
+        found = " and ".join(sorted(str(d) for d in dtypes[True] | dtypes[False]))
+        raise ValueError(f"the early-exit draft's model now has weights in {found}: an early-exit draft shares its "
+                         "layers with its model, so casting the draft (.half(), .to(dtype)) cast that part of the "
+                         "target too. Cast the target, then make the draft (hf_specdec.early_exit_draft)")
+
+
 def padding_rows(target_vocab: int, draft_vocab: int) -> bool:
     """Whether two vocabulary sizes differ by embedding padding only, as one tokenizer's models do in some
     families (Qwen2.5-0.5B and 7B: 151,936 and 152,064 rows; the Pythia sizes: 50,304 to 50,688): by at most
@@ -591,11 +606,8 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
             id(m) for m in owner.modules()}:
         raise ValueError("the early-exit draft holds layers its model no longer has: it was made before that model's "
                          "layers were replaced (pack_linears, quantize_weights); call hf_specdec.early_exit_draft after")
-    dtypes = sorted({str(p.dtype) for p in owner.parameters() if p.is_floating_point()}) if owner is not None else []
-    if len(dtypes) > 1:  # the shared layers were cast with the draft: the target computes in two dtypes
-        raise ValueError(f"the early-exit draft's model now has weights in {' and '.join(dtypes)}: an early-exit draft "
-                         "shares its layers with its model, so casting the draft (.half(), .to(dtype)) cast that part of "
-                         "the target too. Cast the target, then make the draft (hf_specdec.early_exit_draft)")
+    if owner is not None:
+        _validate_cast_together(owner, assistant)
     target_vocab = model.get_output_embeddings().weight.shape[0]
     draft_vocab = assistant.get_output_embeddings().weight.shape[0]
     if target_vocab != draft_vocab and not padding_rows(target_vocab, draft_vocab):

@@ -236,7 +236,15 @@ _CAUSAL_ONLY_AS_DECODER = frozenset({
     "bert", "bert-generation", "big_bird", "camembert", "convbert", "data2vec-text", "electra", "ernie", "megatron-bert",
     "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod"})
 _LAYER_KINDS = {"DummyLayer": "layers without keys and values of their own: shared with another layer's, as in Gemma 3n, "
-                              "or no attention"}
+                              "or no attention",
+                "DynamicIndexedLayer": "a sparse-attention indexer's keys beside the attention's, as in DeepSeek-V3.2: a "
+                                       "forward over several tokens keeps other keys than plain's one-token steps"}
+
+
+def _layer_kind(layer) -> str:
+    if isinstance(layer, LinearAttentionCacheLayerMixin):
+        return "linear attention or another recurrent state"
+    return _LAYER_KINDS.get(type(layer).__name__, "a layer of its own kind, keeping more than keys and values by column")
 
 
 def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
@@ -245,12 +253,17 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     forward that follows a rollback)."""
     if not (forward_takes(model, "cache") or forward_takes(model, "past_key_values")):
         raise UnsupportedCacheError(
-            f"the {who} ({type(model).__name__}) takes no key-value cache (a recurrent state of its own, as RWKV "
-            "keeps): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")
+            f"the {who} ({type(model).__name__}) takes no key-value cache (its forward has no past_key_values or cache "
+            "argument): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")
+    own = getattr(type(model), "_supports_default_dynamic_cache", None)  # read, never patched
+    if callable(own) and not own():  # MiniMax's linear-attention family: a cache class of its own, which cannot crop
+        raise UnsupportedCacheError(
+            f"the {who} ({type(model).__name__}) decodes with a cache class of its own, not a DynamicCache (transformers' "
+            "generate() makes it one): hf_specdec rolls rejected tokens back by cutting DynamicCache columns. Use plain "
+            "generate() for this model.")
     layers = DynamicCache(config=model.config).layers
-    other = sorted({f"{type(layer).__name__} ({_LAYER_KINDS.get(type(layer).__name__, 'linear attention or another recurrent state')})"
-                    for layer in layers if isinstance(layer, LinearAttentionCacheLayerMixin)
-                    or not isinstance(layer, (DynamicLayer, DynamicSlidingWindowLayer))})
+    other = sorted({f"{type(layer).__name__} ({_layer_kind(layer)})" for layer in layers
+                    if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})  # subclasses keep more than columns
     if other:
         raise UnsupportedCacheError(
             f"the {who} has cache layers of type {', '.join(other)}: hf_specdec rolls rejected tokens back by "

@@ -128,6 +128,22 @@ def test_models_without_a_cache_that_can_be_cut_are_refused_by_name():
             speculative(model, model, REPETITIVE, max_new_tokens=5)
 
 
+def test_caches_of_their_own_kind_are_refused_by_name():
+    """Before: DeepSeek-V3.2's indexed layers (a DynamicLayer subclass) decoded and differed from plain greedy
+    once a sequence passed index_topk (margins up to 1.3, not ties); MiniMax, whose cache class is its own,
+    failed inside its forward ('not compatible with cache of type DynamicCache')."""
+    mla = {k: v for k, v in CONFIGS["deepseek_v3"].items()}
+    for kind, settings, named in (
+            ("deepseek_v32", dict(mla, index_n_heads=2, index_head_dim=16, index_topk=8), "DynamicIndexedLayer .a sparse"),
+            ("minimax", dict(LLAMA_LIKE, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
+                             layer_types=["full_attention"] * 2), "MiniMaxForCausalLM. decodes with a cache class of its own")):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **COMMON, **settings)).eval()
+        with pytest.raises(hf_specdec.UnsupportedCacheError, match=named):
+            speculative(model, model, REPETITIVE, max_new_tokens=24)
+        with pytest.raises(hf_specdec.UnsupportedCacheError, match=named):
+            hf_specdec.generate_continuous(model, [[5, 6, 7]], assistant=model, max_new_tokens=4)
+
+
 def test_an_encoders_language_model_head_without_is_decoder_is_refused():
     """BERT's family with is_decoder=False (the config's default) attends in both directions: a verify
     forward let each new token see the ones after it, and greedy output differed silently."""

@@ -97,7 +97,8 @@ def validate(
     n = generation_config.num_return_sequences or 1
     rows = f"got a batch of {input_ids.shape[0]} rows" + (f" (num_return_sequences={n} repeats each prompt)" if n > 1 else "")
     if input_ids.shape[0] > 1 and streaming:
-        raise ValueError(f"streamers take one row, as in transformers; {rows}")
+        raise ValueError(f"streamers take one row in hf_specdec (rows that accept different numbers of tokens would "
+                         f"reach a streamer out of step; transformers' TextStreamer takes one row too); {rows}")
     if assistant is None and candidate_generator is None:
         raise ValueError(
             "speculative_generate needs a draft model: pass `assistant=draft_model` to generate() with "

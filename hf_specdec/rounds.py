@@ -52,6 +52,7 @@ class Trace:
     match_sizes: list[int] = field(default_factory=list)  # per row, the n-gram match its retrieval follows
     match_sources: list[str] = field(default_factory=list)  # per row, where it was retrieved: NGRAM (the row) or CACHE
     unverified: dict[int, list[int]] = field(default_factory=dict)  # row -> a retrieved continuation not verified
+    retrieved: set[int] = field(default_factory=set)  # chain rounds: rows verifying their retrieved continuation
     estimates: list[float] | None = None  # per verified node of one row, P(accepted) as planned
 
 
@@ -162,6 +163,7 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     if not plan.draft:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
         trace.unverified = {r: tokens for r, ((tokens, _), chain) in enumerate(zip(lookups, chains)) if tokens and not chain}
+        trace.retrieved = {r for r, chain in enumerate(chains) if chain}
         return _point_masses(chains, request.ids.device) if any(chains) else Proposal.nothing(rows, request.ids.device)
     expected = sum(planner.acceptance.draft_reach(plan.draft))  # a draft row's expected accepted tokens
     use_lookup = [sum(r) > expected for r in reach]
@@ -175,6 +177,7 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         return chain.first([drafted] * rows)
     lengths = lookup_lengths(planner, reach, chain.confidences, use_lookup, drafted)
     retrieved = [tokens[:n] if lookup else None for (tokens, _), n, lookup in zip(lookups, lengths, use_lookup)]
+    trace.retrieved = {r for r, lookup in enumerate(use_lookup) if lookup}
     return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
 
 
@@ -521,7 +524,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
     planner, drafted = state.planner, []
     for i in range(len(accepted)):
         source, length = proposal.source_of(i), proposal.length(i)
-        if source == NGRAM:
+        if source == NGRAM and i in trace.retrieved:  # not an n-gram drafter's chain (NgramDrafter as the draft)
             size, origin = _match(trace, i)
             shares = _shares(state, i, origin)
             for j in range(min(accepted[i] + 1, length)):

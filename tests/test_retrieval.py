@@ -365,3 +365,20 @@ def test_a_minimum_match_longer_than_the_index_and_tokens_not_one_sequence():
     for bad in (torch.tensor(3), torch.tensor([[1, 2], [3, 4]]), np.zeros((2, 2), dtype=int)):
         with pytest.raises(ValueError, match="one sequence of token ids"):
             cache.add(bad)
+
+
+def test_an_ngram_drafter_beside_a_retrieval_cache_is_not_scored_as_the_caches_lookup():
+    """Found by a fuzz: with NgramDrafter as the draft source, a round that ran it was scored as the cache's
+    lookup, its 5 tokens against the cache's 1-token continuation's shares (an IndexError in _observe_chains)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(7)
+    target = GPT2LMHeadModel(GPT2Config(vocab_size=128, n_embd=32, n_layer=2, n_head=4, initializer_range=0.3,
+                                        pad_token_id=0)).eval()
+    cache = hf_specdec.RetrievalCache()
+    cache.add([74, 74, 61, 61, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 96, 60, 96, 96, 64, 96, 96, 96, 96, 96, 60, 60, 96, 27, 0])
+    ids = torch.tensor([[74, 74]])
+    out = target.generate(ids, max_new_tokens=39, do_sample=False, pad_token_id=0,
+                          custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
+                          retrieval_cache=cache, tree=False, costs=hf_specdec.Costs(draft_step=0.05, verify=0.0))
+    assert torch.equal(out, target.generate(ids, max_new_tokens=39, do_sample=False, pad_token_id=0))

@@ -260,7 +260,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
         if not keep:
             trace.unverified = {0: continuations[0]} if continuations else {}
             return Proposal.nothing(1, device)
-        trace.estimates = [reach[j] for j in keep]
+        trace.estimates, trace.retrieved = [reach[j] for j in keep], {0}
         return tree_proposal(retrieved, keep, None, NGRAM, device)
     chain, _ = _draft(state, request, plan)
     if chain.confidences is None or not planner.adaptive:
@@ -282,6 +282,7 @@ def _propose_tree(state: DecodeState, request: DraftRequest, room: int, trace: T
     if continuations and not any(merged.origins[j] == NGRAM for j in keep):
         trace.unverified = {0: continuations[0]}
     trace.estimates = [reach[j] for j in keep]
+    trace.retrieved = set() if all(merged.origins[j] == DRAFT for j in keep) else {0}  # all DRAFT: the drafter's chain
     return tree_proposal(merged, keep, chain, DRAFT, device)
 
 

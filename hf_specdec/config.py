@@ -194,4 +194,5 @@ def _check_number(name: str, value, positive: bool = False) -> None:
     """A ValueError naming `name` unless `value` is a finite real number, >= 0 (or > 0 if `positive`)."""
     ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)  # numpy's too
     if not ok or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'} (or None), got {value!r}")
+        optional = " (or None)" if name == "draft_prefill" else ""
+        raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}{optional}, got {value!r}")

@@ -90,6 +90,8 @@ def test_pinned_costs_price_every_width_and_read_no_clock():
             Costs(**bad)
     with pytest.raises(ValueError, match="costs must be"):
         hf_specdec.SpeculativeConfig(costs={"draft_step": 0.1})
+    with pytest.raises(ValueError, match=r"draft_step must be a finite number >= 0, got None"):  # said '(or None)'
+        Costs(draft_step=None)
     with pytest.raises(ValueError, match="1 by definition"):  # seconds, not steps: every price was off by 5x
         Costs(draft_step=0.2, verify=(0.2, 0.21, 0.23))
     assert Costs(draft_step=0.2, verify=(1.0004, 1.05)).verify_price(1) == 1.0004  # a table rounded to 4 places

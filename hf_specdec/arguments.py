@@ -174,7 +174,7 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
         if generation_config.return_dict_in_generate and getattr(generation_config, flag):
             raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")
     if generation_config.cache_implementation not in (None, "dynamic"):
-        raise ValueError(
+        raise UnsupportedCacheError(
             f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
         )
 

@@ -147,9 +147,21 @@ def test_the_directory_form_refuses_what_it_would_drop():
     form = dict(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True, max_new_tokens=4, do_sample=False)
     with pytest.raises(ValueError, match="both assistant_model= and assistant= were given"):
         target.generate(PROMPT, assistant_model=draft, assistant=other, **form)
-    mine, theirs = BaseStreamer(), BaseStreamer()
+    ends = []
+
+    class Ends(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            ends.append(self)
+
+    mine, theirs = Ends(), Ends()
     with pytest.raises(ValueError, match="both streamer= and spec_streamer= were given"):
         target.generate(PROMPT, assistant_model=draft, streamer=mine, spec_streamer=theirs, **form)
+    assert ends == [theirs, mine]  # spec_streamer's consumer waited forever
+    with pytest.raises(ValueError, match="both streamer= and spec_streamer= were given"):  # one that cannot end
+        target.generate(PROMPT, assistant_model=draft, streamer=BaseStreamer(), spec_streamer=BaseStreamer(), **form)
     with pytest.raises(ValueError, match="cache_implementation='paged'.*generate_continuous"):
         target.generate(PROMPT, assistant_model=draft, cache_implementation="paged", **form)
     out = target.generate(PROMPT, assistant_model=draft, assistant=draft, **form)  # one draft under both names
@@ -598,9 +610,9 @@ def test_errors_name_the_problem():
         with pytest.raises(ValueError, match=f"does not do {strategy}"):  # it decoded greedily, silently
             spec(target, target, max_new_tokens=3, **kwargs)
     spec(target, target, max_new_tokens=3, penalty_alpha=0.6, top_k=1)  # not contrastive search for transformers either
-    with pytest.raises(ValueError, match="DynamicCache only"):
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="DynamicCache only"):  # a plain ValueError, as the README did not say
         spec(target, target, max_new_tokens=3, cache_implementation="static")
-    with pytest.raises(ValueError, match="DynamicCache only"):
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="DynamicCache only"):
         spec(target, target, max_new_tokens=3, cache=StaticCache(config=target.config, max_cache_len=64))
     with pytest.raises(ValueError, match="num_draft_tokens"):
         spec(target, target, max_new_tokens=3, num_draft_tokens=-1)

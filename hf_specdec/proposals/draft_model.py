@@ -46,7 +46,7 @@ class DraftModelDrafter(Drafter):
     `window`: the draft encodes only the last `window` tokens of the sequence it first sees (the
     prompt) and everything after them, so a long prompt's draft prefill costs `window` tokens. Its
     cache still has the sequence's length (zero columns in front, masked out in every forward).
-    Exact like any draft: q is whatever the draft computed. Single-row batches only.
+    Exact like any draft: q is whatever the draft computed. The window is for single rows only.
 
     The draft's context length (`context_length`, from its config) bounds what it reads: `room`
     says how many tokens it can still draft, the window is shrunk to fit in it, and a row joining

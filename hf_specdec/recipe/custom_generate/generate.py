@@ -49,6 +49,11 @@ def _arguments(model, assistant_model, streamer, kwargs):
     kwargs.pop("trust_remote_code", None)
     for name, mine, theirs in (("assistant", "assistant_model", assistant_model), ("spec_streamer", "streamer", streamer)):
         if theirs is not None and kwargs.get(name) is not None and kwargs[name] is not getattr(theirs, "streamer", theirs):
+            if name == "spec_streamer":  # refused before decoding: neither consumer may wait (generate ends the other)
+                try:
+                    kwargs[name].end()
+                except Exception:
+                    pass  # the refusal is the error to report
             raise ValueError(f"both {mine}= and {name}= were given: the directory form takes {mine}=; pass one")
         if theirs is not None:
             kwargs[name] = theirs

@@ -579,6 +579,11 @@ def _validate_same_function(model: PreTrainedModel) -> None:
     small inputs, `pack_linears(decode_bits=8)`): plain decoding reads one and verification the other."""
     from .cpu import PackedLinear
 
+    if any(isinstance(m, PackedLinear) for m in model.modules()):
+        cast = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
+        if cast:  # .half() after pack_linears: the packed layers compute in float32, the rest in another dtype
+            raise ValueError(f"the target is packed (pack_linears, which computes in float32) but has weights in "
+                             f"{', '.join(cast)}: it was cast after packing. Cast it before packing, or not at all")
     if any(isinstance(m, PackedLinear) and m.decode is not None for m in model.modules()):
         raise ValueError("the target's packed layers carry int8 copies for one-token steps (pack_linears(decode_bits=8)), "
                          "so its one-token steps and its forwards over several tokens compute different functions and "

@@ -122,18 +122,19 @@ class PackedLinear(nn.Module):
     def __getstate__(self):  # pickle, torch.save(model): torch's own message named an opaque tensor's storage
         _unsaveable(self, "")
 
+    def __copy__(self) -> "PackedLinear":  # not through pickling's __getstate__
+        return self.__deepcopy__({})
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type != "cpu":
             raise RuntimeError(f"a PackedLinear computes on the CPU (its weight is oneDNN's CPU layout); got input on {x.device}")
-        if x.dtype != torch.float32:  # computed in float32 whatever the input: silently mixed, or oneDNN's own error
-            raise RuntimeError(f"a model packed by hf_specdec.pack_linears computes in float32, but a packed layer got "
-                               f"{x.dtype} inputs: the model was cast after packing (e.g. .half()). Cast it before packing")
         shape = x.shape
         flat = x.reshape(-1, self.in_features)
         if self.decode is not None and flat.shape[0] <= self.decode_rows:
             y = self.decode(flat.to(self.decode.compute_dtype)).to(torch.float32)
         else:
-            y = torch.ops.mkldnn._linear_pointwise(flat.to(torch.float32), self.packed, self.bias, "none", [], "")
+            bias = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()  # a model cast after
+            y = torch.ops.mkldnn._linear_pointwise(flat.to(torch.float32), self.packed, bias, "none", [], "")
         return y.reshape(*shape[:-1], self.out_features)
 
     def __deepcopy__(self, memo: dict) -> "PackedLinear":

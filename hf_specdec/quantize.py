@@ -233,10 +233,6 @@ def _check_arguments(model: nn.Module, bits: int) -> None:
     if type(model) is nn.Linear:  # it cannot replace itself: it stayed float under a child named ''
         raise ValueError("quantize_weights replaces the Linear layers inside a model, in place: wrap a bare nn.Linear "
                          "in a module (e.g. nn.Sequential(linear)), or use WeightOnlyLinear.from_linear(linear, bits)")
-    meta = sorted({name.rpartition(".")[0] for name, p in model.named_parameters() if p.device.type == "meta"})
-    if meta and bits != 16:  # offloaded by accelerate, or never loaded: their int weights would be meta, never filled
-        raise ValueError(f"quantize_weights needs the weights in memory; {len(meta)} modules have theirs on meta "
-                         f"(offloaded by a device_map, or not loaded), e.g. {meta[:3]}: quantize the model before dispatching it")
     if isinstance(bits, bool) or not isinstance(bits, numbers.Integral) or bits not in SUPPORTED_BITS:
         raise ValueError(f"unsupported bits={bits!r}: quantize_weights supports {SUPPORTED_BITS} (16 = unchanged)")
     done = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in ("WeightOnlyLinear", "PackedLinear")})
@@ -245,13 +241,24 @@ def _check_arguments(model: nn.Module, bits: int) -> None:
                          "model as loaded")
 
 
+def _check_layers(todo: list[tuple[str, nn.Linear]], bits: int, group_size: int) -> None:
+    """Every layer quantize_weights will replace: a shape the kernel takes, and its weight in memory."""
+    for name, module in todo:
+        _check_shape(name, module.out_features, module.in_features, bits, group_size)
+    meta = [name for name, module in todo if module.weight.device.type == "meta"]
+    if meta:  # offloaded by accelerate, or never loaded: their int weights would be meta, never filled
+        raise ValueError(f"quantize_weights needs the weights in memory; {len(meta)} layers have theirs on meta "
+                         f"(offloaded by a device_map, or not loaded), e.g. {meta[:3]}: quantize the model before dispatching it")
+
+
 def _skips(skip) -> tuple[str, ...]:
     """quantize_weights' skip as a tuple of names: None is none, a str one name (not its letters)."""
     if skip is None or isinstance(skip, str):
         return () if skip is None else (skip,)
-    if not isinstance(skip, (list, tuple, set, frozenset)) or not all(isinstance(n, str) for n in skip):
-        raise ValueError(f"skip must be module names (a str or a sequence of them, as in model.named_modules()), got {skip!r}")
-    return tuple(skip)
+    names = tuple(skip) if hasattr(skip, "__iter__") else None  # any iterable: a list, dict keys, a generator
+    if names is None or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"skip must be module names (a str or an iterable of them, as in model.named_modules()), got {skip!r}")
+    return names
 
 
 def quantize_weights(
@@ -298,8 +305,7 @@ def quantize_weights(
 
     # Check every shape before changing anything, so that an error leaves the model intact.
     todo = [(name, module) for name, module in linears.items() if name not in skipped]
-    for name, module in todo:
-        _check_shape(name, module.out_features, module.in_features, bits, group_size)
+    _check_layers(todo, bits, group_size)
 
     for name, module in todo:
         # For the untied head this quantizes the shared weight into the head's own buffers; the

@@ -596,16 +596,16 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         parents=None if proposal.tree is None else proposal.tree.parents, path=verdict.path,
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
         cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
-        retrieval=_match(trace, i)[1] if _retrieved(proposal, i) else "",
+        retrieval=_match(trace, i)[1] if _retrieved(proposal, trace, i) else "",
         scored=verdict.target_scores.shape[1] if proposal.tree is None else len(proposal.tree.parents) + 1,
     )
 
 
-def _retrieved(proposal: Proposal, i: int) -> bool:
-    """Whether active row i verified retrieved tokens this round."""
+def _retrieved(proposal: Proposal, trace: Trace, i: int) -> bool:
+    """Whether active row i verified retrieved tokens this round (not an n-gram drafter's chain)."""
     if proposal.tree is not None:
         return any(proposal.tree.retrieved)
-    return proposal.source_of(i) == NGRAM and proposal.length(i) > 0
+    return proposal.source_of(i) == NGRAM and proposal.length(i) > 0 and i in trace.retrieved
 
 
 def _source(proposal: Proposal, i: int) -> str:

@@ -249,9 +249,11 @@ def test_sampling_is_exact_with_a_hotter_draft(pair):
     assert law_pvalue(law, samples, "a draft at temperature 1.6") > ALPHA
 
 
-def test_a_draft_whose_logits_are_nan_drafts_from_a_uniform_q_and_stays_exact(pair, proposed):
+@pytest.mark.parametrize("free", [True, False])  # False: the accelerator's path, no read (a CPU branches on the host)
+def test_a_draft_whose_logits_are_nan_drafts_from_a_uniform_q_and_stays_exact(pair, proposed, monkeypatch, free):
     """Before: torch.multinomial's raw 'probability tensor contains either inf, nan' on the first draw
     (a draft that overflows), where plain sampling, which never runs the draft, works."""
+    monkeypatch.setattr(hf_specdec.proposals.draft_model, "reads_are_free", lambda device: free)
     target, draft, law = pair
     broken = copy.deepcopy(draft)
     with torch.no_grad():

@@ -35,6 +35,7 @@ def reads_per_round(monkeypatch, call) -> tuple[list[int], list[int]]:
     monkeypatch.setattr(hf_specdec.verify, "reads_are_free", lambda device: False)
     monkeypatch.setattr(hf_specdec.sampling, "reads_are_free", lambda device: False)
     monkeypatch.setattr(hf_specdec.rounds, "reads_are_free", lambda device: False)
+    monkeypatch.setattr(hf_specdec.proposals.draft_model, "reads_are_free", lambda device: False)
     ours, everyone, start = [0], [0], [0, 0]
     own_rounds, all_rounds = [], []
 

@@ -14,6 +14,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
+from ..verify import reads_are_free
 from .base import Drafter, DraftRequest, Proposal
 
 logger = logging.getLogger(__name__)
@@ -225,8 +226,11 @@ class DraftModelDrafter(Drafter):
             scores = torch.where(dead, self._uniform_past(scores), scores)
         if self.do_sample:
             q = logits_to_probs(scores)
-            # a row whose scores went NaN or infinite (a draft overflowing) drafts from a uniform q: still exact
-            q = torch.where(q.isfinite().all(dim=-1, keepdim=True), q, 1.0 / q.shape[-1])
+            # a row whose scores went NaN or infinite (a draft overflowing) is NaN throughout (softmax): it drafts from
+            # a uniform q there, still exact; where reads are free the rows are rewritten only if one needs it
+            bad = q[:, :1].isnan()
+            if not reads_are_free(q.device) or bool(bad.any()):
+                q = q.masked_fill(bad, 1.0 / q.shape[-1])
             token = sample(q, self._drawing)
         else:
             q, token = None, scores.argmax(dim=-1)

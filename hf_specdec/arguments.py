@@ -93,6 +93,7 @@ def validate(
 ) -> None:
     """Clear errors for what this decode loop cannot do correctly."""
     _validate_strategy(generation_config, synced_gpus)
+    _validate_call(input_ids, generation_config, assistant, candidate_generator, continuous)
     _validate_assisted(model, generation_config)
     n = generation_config.num_return_sequences or 1
     rows = f"got a batch of {input_ids.shape[0]} rows" + (f" (num_return_sequences={n} repeats each prompt)" if n > 1 else "")
@@ -139,6 +140,19 @@ def validate(
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
+
+
+def _validate_call(input_ids, generation_config: GenerationConfig, assistant, candidate_generator, continuous: bool) -> None:
+    """What generate() would have refused before a direct call of speculative_generate, and two drafts at once."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
+            or input_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+        shape = f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(f"input_ids must be a 2-D tensor of token ids, [rows, tokens], got {shape}")
+    if not continuous and input_ids.shape[1] >= generation_config.max_length:  # a token past max_length was emitted
+        raise ValueError(f"the input has {input_ids.shape[1]} tokens but max_length is {generation_config.max_length}: "
+                         "nothing is left to generate (generate() refuses it too); pass max_new_tokens")
+    if assistant is not None and candidate_generator is not None:  # the draft was never used
+        raise ValueError("both assistant= and candidate_generator= were given: pass one draft source")
 
 
 _NO_SYNCED_GPUS = "hf_specdec does not support synced_gpus (DeepSpeed ZeRO-3 / FSDP generation)."
@@ -438,6 +452,9 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor, pad_to
         return
     if mask.shape != input_ids.shape:
         raise ValueError(f"attention_mask has shape {tuple(mask.shape)} but input_ids {tuple(input_ids.shape)}")
+    if bool(((mask != 0) & (mask != 1)).any()):  # generate() numbers positions by its running sum, this loop by its ones
+        raise ValueError(f"attention_mask must hold 0 (padding) and 1 (a token) only, got values such as "
+                         f"{mask[(mask != 0) & (mask != 1)][0].item()!r}")
     mask = mask.bool()
     padding_after_a_token = (mask[:, :-1] & ~mask[:, 1:]).any(dim=1)  # a 1 followed by a 0
     empty = ~mask.any(dim=1)

@@ -347,6 +347,8 @@ def _unpadded(item: Mapping[str, Any], index: int) -> Any:
     if ids.dim() != 1 or mask.shape != ids.shape:
         raise ValueError(f"prompt {index}: input_ids must be one sequence with an attention_mask of its shape, got "
                          f"{tuple(ids.shape)} and {tuple(mask.shape)}")
+    if bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"prompt {index}: attention_mask must hold 0 (padding) and 1 (a token) only")
     return _strip(ids, mask != 0, index, ": attention_mask has a hole between real tokens; only padding before or "
                   "after the prompt can be dropped")
 

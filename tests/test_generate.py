@@ -1051,3 +1051,27 @@ def test_a_custom_generate_of_ones_own_calling_hf_specdec_is_still_a_generate_ca
     with pytest.raises(hf_specdec.StreamerNotForwardedError):
         target.generate(PROMPT, custom_generate=mine, max_new_tokens=4, do_sample=False, streamer=streamer)
     assert ends == [1]
+
+
+def test_direct_calls_and_draft_sources_are_checked_as_generate_would():
+    """From an API fuzz. Before: a direct call with max_length at or below the prompt emitted a token past it;
+    3-D or float input_ids failed inside the model after forwards ran; assistant= beside candidate_generator=
+    dropped the assistant silently; a mask of 2s was blamed on position_ids the caller never passed."""
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    for length in (3, 6):
+        with pytest.raises(ValueError, match=f"6 tokens but max_length is {length}"):
+            hf_specdec.speculative_generate(target, ids, None, None, GenerationConfig(max_length=length), assistant=draft)
+    for bad, said in ((ids[None], "3-D torch.int64"), (ids.float(), "2-D torch.float32")):
+        with pytest.raises(ValueError, match=f"input_ids must be a 2-D tensor of token ids.*{said}"):
+            hf_specdec.speculative_generate(target, bad, None, None, GenerationConfig(max_length=10), assistant=draft)
+    with pytest.raises(ValueError, match="both assistant= and candidate_generator="):
+        spec(target, draft, max_new_tokens=4, candidate_generator=hf_specdec.NgramDrafter())
+    for mask in (torch.full((1, 6), 2), torch.full((1, 6), 0.5)):
+        with pytest.raises(ValueError, match="attention_mask must hold 0 .padding. and 1 .a token. only"):
+            target.generate(ids, attention_mask=mask, max_new_tokens=4, custom_generate=hf_specdec.speculative_generate,
+                            assistant=draft)
+    result, = hf_specdec.generate_continuous(target, [{"input_ids": [5, 6, 7], "attention_mask": [0.5, 1, 1]}],
+                                             assistant=draft, max_new_tokens=3)  # that request's error, as the docs say
+    assert not result.ok and "attention_mask must hold 0" in str(result.error)

@@ -390,11 +390,21 @@ OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator
                             "speculative_config", "retrieval_cache", "candidate_generator"})
 
 
-def call_defaults(logits_processor, stopping_criteria, generation_config: GenerationConfig):
-    """A direct call's None lists made empty; and the length plain generate() stops at: its shortest
-    `MaxLengthCriteria` (a user's replaces the config's, transformers warns), where that is not max_length."""
+def call_defaults(model, logits_processor, stopping_criteria, generation_config: GenerationConfig, streamer=None):
+    """A direct call's arguments checked by type and None lists made empty; and the length plain generate()
+    stops at: its shortest `MaxLengthCriteria` (a user's replaces the config's, transformers warns), where that
+    is not max_length."""
     logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
     stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
+    if not isinstance(model, PreTrainedModel) or not isinstance(generation_config, GenerationConfig):
+        raise ValueError(f"speculative_generate takes a transformers model and the GenerationConfig generate() prepares "
+                         f"(call model.generate(..., custom_generate=hf_specdec.speculative_generate)), got "
+                         f"{type(model).__name__} and {type(generation_config).__name__}")
+    for name, value, kind in (("logits_processor", logits_processor, "LogitsProcessorList"),
+                              ("stopping_criteria", stopping_criteria, "StoppingCriteriaList")):
+        if not isinstance(value, (list, tuple)) or not all(callable(item) for item in value):
+            raise ValueError(f"{name} must be a list of callables (a {kind}), got {type(value).__name__}")
+    _validate_arguments(None, None, None, streamer, None, "streamer")
     lengths = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
     if lengths and min(lengths) != generation_config.max_length:
         generation_config = copy.copy(generation_config)
@@ -428,7 +438,19 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
     return config
 
 
-def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config) -> None:
+def _takes_one(function) -> bool:
+    """Whether `function` can be called with one positional argument (True where Python cannot tell)."""
+    try:
+        inspect.signature(function).bind(None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins)
+        return True
+    return True
+
+
+def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, speculative_config,
+                        streamer_name: str = "spec_streamer") -> None:
     """Type checks of hf_specdec's own call arguments, before any model work."""
     if assistant is not None and not (isinstance(assistant, torch.nn.Module) and hasattr(assistant, "config")
                                       and callable(getattr(assistant, "get_output_embeddings", None))):
@@ -436,10 +458,12 @@ def _validate_arguments(assistant, acceptance_sink, generator, spec_streamer, sp
                          f"head), got {type(assistant).__name__}")
     if acceptance_sink is not None and not (callable(acceptance_sink) or isinstance(acceptance_sink, (str, os.PathLike))):
         raise ValueError(f"acceptance_sink must be a callable or a file path, got {type(acceptance_sink).__name__}")
+    if callable(acceptance_sink) and not _takes_one(acceptance_sink):  # failed after the first round's forwards
+        raise ValueError("acceptance_sink must be a callable taking one argument (a RoundRecord), as list.append does")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator, got {type(generator).__name__}")
     if spec_streamer is not None and not (callable(getattr(spec_streamer, "put", None)) and callable(getattr(spec_streamer, "end", None))):
-        raise ValueError(f"spec_streamer must be a streamer (with put() and end()), got {type(spec_streamer).__name__}")
+        raise ValueError(f"{streamer_name} must be a streamer (with put() and end()), got {type(spec_streamer).__name__}")
     if speculative_config is not None and not isinstance(speculative_config, SpeculativeConfig):
         raise ValueError(f"speculative_config must be a SpeculativeConfig, got {type(speculative_config).__name__}")
 
@@ -652,6 +676,9 @@ def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> N
             "Speculative decoding needs a draft that shares the target's tokenizer and vocabulary (sizes that differ "
             "by at most 1%, as embedding padding does in some model families, are taken as the same vocabulary)."
         )
+    if assistant.device.type == "meta" and not any(hasattr(m, "_hf_hook") for m in assistant.modules()):
+        raise ValueError("the draft's weights are on meta and nothing will load them (no accelerate offloading hooks): "
+                         "it was made under init_empty_weights or moved with .to('meta'); load its weights")
     # an accelerate-offloaded model reports meta (its weights wait elsewhere) and computes where its hooks say
     if assistant.device != model.device and "meta" not in (assistant.device.type, model.device.type):
         raise ValueError(f"the draft is on {assistant.device} but the target is on {model.device}; move them together.")

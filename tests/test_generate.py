@@ -1075,3 +1075,30 @@ def test_direct_calls_and_draft_sources_are_checked_as_generate_would():
     result, = hf_specdec.generate_continuous(target, [{"input_ids": [5, 6, 7], "attention_mask": [0.5, 1, 1]}],
                                              assistant=draft, max_new_tokens=3)  # that request's error, as the docs say
     assert not result.ok and "attention_mask must hold 0" in str(result.error)
+
+
+def test_a_direct_calls_own_arguments_and_the_sink_and_draft_are_named():
+    """From an API fuzz. Before: AttributeErrors from inside the loop (generation_config=None, a str as the
+    model, streamer or processors), a sink taking no argument failed after the first round's forwards, and a
+    draft moved to meta passed validation and failed when it first drafted."""
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    ids, config = torch.tensor([[1, 5, 9, 2]]), GenerationConfig(max_length=8)
+    for args, kwargs, said in (((target, ids, None, None, None), {}, "GenerationConfig generate.. prepares"),
+                               (("target", ids, None, None, config), {}, "got str and GenerationConfig"),
+                               ((target, ids, "x", None, config), {}, "logits_processor must be a list of callables"),
+                               ((target, ids, None, "x", config), {}, "stopping_criteria must be a list of callables"),
+                               ((target, ids, None, None, config), {"streamer": "x"}, "streamer must be a streamer")):
+        with pytest.raises(ValueError, match=said):
+            hf_specdec.speculative_generate(*args, assistant=draft, **kwargs)
+    with pytest.raises(ValueError, match="acceptance_sink must be a callable taking one argument"):
+        spec(target, draft, max_new_tokens=4, acceptance_sink=lambda: None)
+    with pytest.raises(ValueError, match="the draft's weights are on meta and nothing will load them"):
+        spec(target, perturbed(target, noise=0.5).to("meta"), max_new_tokens=4)
+    from hf_specdec.proposals import DraftModelDrafter
+
+    for kwargs, said in ((dict(model="draft"), "takes a transformers causal LM"), (dict(window=2.5), "window must be"),
+                         (dict(generator=5), "generator must be"), (dict(do_sample="yes"), "do_sample must be"),
+                         (dict(logits_processor="procs"), "logits_processor must be")):  # each failed inside the loop
+        with pytest.raises(ValueError, match=said):
+            DraftModelDrafter(**{"model": draft, "logits_processor": None, "do_sample": False, **kwargs})

@@ -73,15 +73,14 @@ class DraftModelDrafter(Drafter):
         window: int | None = None,  # encode only the last `window` prompt tokens (None: all of them)
         vocab: int | None = None,  # the target's vocabulary size, where the draft's differs by padding rows
     ):
+        _check_drafter_arguments(model, logits_processor, do_sample, generator, window, vocab)
         self.model = model
         self.logits_processor = logits_processor
         self.do_sample = do_sample
         self.generator = generator
         self._drawing = generator  # what this round draws with: `generator`, else the call's (`DraftRequest.generator`)
         self.draft_vocab = model.get_output_embeddings().weight.shape[0]  # the rows the draft scores
-        self.vocab = self.draft_vocab if vocab is None else vocab  # the rows it proposes over (the target's)
-        if window is not None and window < 1:
-            raise ValueError(f"the draft window must be a positive number of tokens, got {window}")
+        self.vocab = self.draft_vocab if vocab is None else int(vocab)  # the rows it proposes over (the target's)
         self.max_positions = context_length(model.config)
         if window is not None and self.max_positions is not None:
             window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
@@ -242,6 +241,23 @@ class DraftModelDrafter(Drafter):
             return token, q, [q_token]
         second = probs.scatter(-1, token[:, None], -1.0).max(dim=-1)  # the best other token
         return token, q, [q_token, second.indices.double(), second.values.double()]
+
+
+def _check_drafter_arguments(model, logits_processor, do_sample, generator, window, vocab) -> None:
+    """DraftModelDrafter's arguments, named here rather than failing in the loop."""
+    head = getattr(model, "get_output_embeddings", None) if isinstance(model, torch.nn.Module) else None  # compiled too
+    if not callable(head) or head() is None:
+        raise ValueError(f"DraftModelDrafter takes a transformers causal LM with its output head, got {type(model).__name__}")
+    if logits_processor is not None and not (isinstance(logits_processor, (list, tuple))
+                                             and all(callable(p) for p in logits_processor)):
+        raise ValueError(f"logits_processor must be a LogitsProcessorList (or None), got {type(logits_processor).__name__}")
+    if not isinstance(do_sample, bool):
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
+    for name, value in (("window", window), ("vocab", vocab)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+            raise ValueError(f"{name} must be a positive integer (or None), got {value!r}")
 
 
 def inner_drafter(candidate_generator) -> DraftModelDrafter | None:

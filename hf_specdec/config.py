@@ -178,11 +178,19 @@ def as_int(value):
         return value
 
 
-def _check_int(name: str, value, minimum: int) -> None:
-    """A ValueError naming `name` unless `value` is an int (not a bool) of at least `minimum`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> None:
+    """A ValueError naming `name` unless `value` is an int (not a bool) of at least `minimum` (at most `maximum`)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
         kind = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        raise ValueError(f"{name} must be {kind}, got {value!r}")
+        raise ValueError(f"{name} must be {kind}{'' if maximum is None else f' of at most {maximum}'}, got {value!r}")
+
+
+def check_planner(max_draft, rows, costs) -> tuple[int, int]:
+    """`Planner`'s arguments checked by name; numpy integers (a sweep's values) taken as the ints they are."""
+    max_draft, rows = as_int(max_draft), as_int(rows)
+    _check_int("Planner's max_draft", max_draft, 1, MAX_DRAFT_TOKENS), _check_int("Planner's rows", rows, 1)
+    _check_costs("Planner's costs", costs)
+    return max_draft, rows
 
 
 def _check_costs(name: str, value) -> None:

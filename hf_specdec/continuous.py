@@ -377,6 +377,12 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
     """`generate_continuous`'s arguments, before the first prompt is read (a streamer given is ended)."""
     from .arguments import check_arguments
 
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(f"generate_continuous takes a transformers model (the target), got {type(model).__name__}")
+    eos = generate_kwargs.get("eos_token_id")
+    if eos is not None and not all(isinstance(e, numbers.Integral) and not isinstance(e, bool)
+                                   for e in (torch.as_tensor(eos).flatten().tolist() if not isinstance(eos, str) else [eos])):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
     for name in ("streamer", "spec_streamer"):
         if generate_kwargs.get(name) is not None:
             if callable(getattr(generate_kwargs[name], "end", None)):

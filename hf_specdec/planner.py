@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .config import PREFILL_RATIO, Costs, _check_costs, _check_int, as_int
+from .config import PREFILL_RATIO, Costs, check_planner
 from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
@@ -241,8 +241,7 @@ class Planner:
     """Plans each round of one generate call (see the module docstring)."""
 
     def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1, lazy: bool = False):
-        max_draft, rows = as_int(max_draft), as_int(rows)  # a numpy integer (a sweep's value) too
-        _check_int("Planner's max_draft", max_draft, 1), _check_int("Planner's rows", rows, 1), _check_costs("Planner's costs", costs)
+        max_draft, rows = check_planner(max_draft, rows, costs)
         self.max_draft, self.adaptive = max_draft, adaptive
         self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)

@@ -257,7 +257,9 @@ class RetrievalCache:
         """`lookup`, and per continuation, per token, the share of the matched occurrences that went on
         past its parent and did so with that token (SuffixDecoding's frequency score): 1.0 where every
         earlier occurrence that continued continued the same way."""
-        query = [_token_id(t) for t in list(query)[-self.max_match :]]  # ids, never rounded floats
+        if isinstance(query, Iterable) and not isinstance(query, (str, bytes)) and getattr(query, "ndim", 1) == 1:
+            query = list(query)[-self.max_match :]  # only the tail is converted, once a round
+        query = self._ids(query)  # ids, never rounded floats; anything else named
         most, cap = self.max_occurrences, self.max_match
         for name, value in (("max_tokens", max_tokens), ("max_branches", max_branches), ("min_match", min_match)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -363,7 +365,7 @@ class RetrievalCache:
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""
-        context = list(context)
+        context = self._ids(() if context is None else context)  # None: no context
         return self._ids(context[max(0, len(context) - self.context) :]) if self.context else []
 
     def _add(self, tokens: list[int]) -> None:

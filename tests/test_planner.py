@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -591,6 +592,7 @@ def test_each_round_records_the_positions_its_target_scored():
 
 def test_planner_arguments_are_checked_by_name():
     for bad, name in [(dict(max_draft=0), "max_draft"), (dict(max_draft=2.5), "max_draft"), (dict(max_draft=8, rows=0), "rows"),
-                      (dict(max_draft=8, costs={"draft_step": 0.2}), "costs")]:
+                      (dict(max_draft=8, costs={"draft_step": 0.2}), "costs"), (dict(max_draft=10**12), "at most 1024")]:
         with pytest.raises(ValueError, match=name):  # each was taken and failed later, or priced nothing
             Planner(**bad)
+    assert Planner(np.int64(8), rows=np.int64(2)).rows == 2  # a sweep's numpy values

@@ -382,3 +382,17 @@ def test_an_ngram_drafter_beside_a_retrieval_cache_is_not_scored_as_the_caches_l
                           custom_generate=hf_specdec.speculative_generate, candidate_generator=hf_specdec.NgramDrafter(),
                           retrieval_cache=cache, tree=False, costs=hf_specdec.Costs(draft_step=0.05, verify=0.0))
     assert torch.equal(out, target.generate(ids, max_new_tokens=39, do_sample=False, pad_token_id=0))
+
+
+def test_bad_contexts_queries_and_stream_arguments_are_named():
+    """From an API fuzz: raw TypeErrors ('NoneType' object is not iterable) and AttributeErrors before."""
+    cache = RetrievalCache()
+    cache.add([1, 2, 3], context=None)  # no context, as the default
+    for call in (lambda: cache.add([1, 2], context=5), lambda: cache.lookup(None, 4), lambda: cache.lookup(5, 4)):
+        with pytest.raises(ValueError, match="tokens must be one sequence of token ids"):
+            call()
+    target = tiny_model("llama")
+    with pytest.raises(ValueError, match="generate_continuous takes a transformers model"):
+        hf_specdec.generate_continuous("model", [[1, 2]], assistant=target)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        hf_specdec.generate_continuous(target, [[1, 2]], assistant=target, eos_token_id="x")

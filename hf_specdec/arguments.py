@@ -148,9 +148,6 @@ def _validate_call(input_ids, generation_config: GenerationConfig, assistant, ca
             or input_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
         shape = f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a 2-D tensor of token ids, [rows, tokens], got {shape}")
-    if not continuous and input_ids.shape[1] >= generation_config.max_length:  # a token past max_length was emitted
-        raise ValueError(f"the input has {input_ids.shape[1]} tokens but max_length is {generation_config.max_length}: "
-                         "nothing is left to generate (generate() refuses it too); pass max_new_tokens")
     if assistant is not None and candidate_generator is not None:  # the draft was never used
         raise ValueError("both assistant= and candidate_generator= were given: pass one draft source")
 
@@ -390,13 +387,14 @@ OWN_ARGUMENTS = frozenset({*SETTINGS, "assistant", "acceptance_sink", "generator
                             "speculative_config", "retrieval_cache", "candidate_generator"})
 
 
-def call_defaults(model, logits_processor, stopping_criteria, generation_config: GenerationConfig, streamer=None):
+def call_defaults(model, input_ids, logits_processor, stopping_criteria, generation_config: GenerationConfig, streamer=None,
+                  continuous: bool = False):
     """A direct call's arguments checked by type and None lists made empty; and the length plain generate()
     stops at: its shortest `MaxLengthCriteria` (a user's replaces the config's, transformers warns), where that
     is not max_length."""
     logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
     stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
-    if not isinstance(model, PreTrainedModel) or not isinstance(generation_config, GenerationConfig):
+    if not _is_model(model) or not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"speculative_generate takes a transformers model and the GenerationConfig generate() prepares "
                          f"(call model.generate(..., custom_generate=hf_specdec.speculative_generate)), got "
                          f"{type(model).__name__} and {type(generation_config).__name__}")
@@ -405,6 +403,10 @@ def call_defaults(model, logits_processor, stopping_criteria, generation_config:
         if not isinstance(value, (list, tuple)) or not all(callable(item) for item in value):
             raise ValueError(f"{name} must be a list of callables (a {kind}), got {type(value).__name__}")
     _validate_arguments(None, None, None, streamer, None, "streamer")
+    length = generation_config.max_length  # as generate() prepared it: a shorter MaxLengthCriteria below is plain's too
+    if not continuous and isinstance(input_ids, torch.Tensor) and isinstance(length, int) and input_ids.shape[-1] >= length:
+        raise ValueError(f"the input has {input_ids.shape[-1]} tokens but max_length is {length}: nothing is left to "
+                         "generate (generate() refuses it too); pass max_new_tokens")  # a token past max_length was emitted
     lengths = [c.max_length for c in stopping_criteria if isinstance(c, MaxLengthCriteria)]
     if lengths and min(lengths) != generation_config.max_length:
         generation_config = copy.copy(generation_config)
@@ -436,6 +438,11 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
                              "CandidateGenerator proposes alone. Pass the draft as assistant= (or an hf_specdec Drafter) "
                              "to use the cache")
     return config
+
+
+def _is_model(model) -> bool:
+    """A transformers model, or a wrapper passing its attributes through (torch.compile's OptimizedModule)."""
+    return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "generation_config")
 
 
 def _takes_one(function) -> bool:

@@ -375,20 +375,20 @@ def _as_ids(item: Any) -> torch.Tensor:
 
 def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs) -> None:
     """`generate_continuous`'s arguments, before the first prompt is read (a streamer given is ended)."""
-    from .arguments import check_arguments
+    from .arguments import _is_model, check_arguments
 
-    if not isinstance(model, PreTrainedModel):
-        raise ValueError(f"generate_continuous takes a transformers model (the target), got {type(model).__name__}")
-    eos = generate_kwargs.get("eos_token_id")
-    if eos is not None and not all(isinstance(e, numbers.Integral) and not isinstance(e, bool)
-                                   for e in (torch.as_tensor(eos).flatten().tolist() if not isinstance(eos, str) else [eos])):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
     for name in ("streamer", "spec_streamer"):
         if generate_kwargs.get(name) is not None:
             if callable(getattr(generate_kwargs[name], "end", None)):
                 generate_kwargs[name].end()  # a consumer iterating it must not wait
             raise ValueError("streamers take one row; continuous batching runs many (use on_result for each finished "
                              "prompt). The streamer has been ended.")
+    if not _is_model(model):  # a compiled one too
+        raise ValueError(f"generate_continuous takes a transformers model (the target), got {type(model).__name__}")
+    eos = generate_kwargs.get("eos_token_id")
+    if eos is not None and not all(isinstance(e, numbers.Integral) and not isinstance(e, bool)
+                                   for e in (torch.as_tensor(eos).flatten().tolist() if not isinstance(eos, str) else [eos])):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     if on_result is not None and not callable(on_result):

@@ -96,8 +96,8 @@ def speculative_generate(
     dropped = None if kept is spec_streamer else kept  # refused below, and ended on any error
     try:
         config = check_arguments(own)  # before any model work
-        logits_processor, stopping_criteria, generation_config = call_defaults(model, logits_processor, stopping_criteria,
-                                                                               generation_config, streamer)
+        logits_processor, stopping_criteria, generation_config = call_defaults(
+            model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, requests is not None)
         if streamer is None:
             refuse_dropped_streamer(spec_streamer, assistant, generation_config.num_return_sequences, model)
         validate(model, assistant, candidate_generator, input_ids, generation_config, synced_gpus, model_kwargs,

@@ -175,6 +175,15 @@ def _bytes(tokens: list[int], index: dict, per_entry: int) -> int:
     return total
 
 
+
+def _last(tokens, n: int):
+    """The last `n` of a 1-D sequence, cut before its ids are checked (once a round, at most `n`); anything
+    else as given, for `_ids` to name."""
+    if isinstance(tokens, Iterable) and not isinstance(tokens, (str, bytes)) and getattr(tokens, "ndim", 1) == 1:
+        tokens = list(tokens)
+        return tokens[max(0, len(tokens) - n) :]
+    return tokens
+
 class RetrievalCache:
     """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
 
@@ -257,9 +266,7 @@ class RetrievalCache:
         """`lookup`, and per continuation, per token, the share of the matched occurrences that went on
         past its parent and did so with that token (SuffixDecoding's frequency score): 1.0 where every
         earlier occurrence that continued continued the same way."""
-        if isinstance(query, Iterable) and not isinstance(query, (str, bytes)) and getattr(query, "ndim", 1) == 1:
-            query = list(query)[-self.max_match :]  # only the tail is converted, once a round
-        query = self._ids(query)  # ids, never rounded floats; anything else named
+        query = self._ids(_last(query, self.max_match))  # ids, never rounded floats; anything else named
         most, cap = self.max_occurrences, self.max_match
         for name, value in (("max_tokens", max_tokens), ("max_branches", max_branches), ("min_match", min_match)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
@@ -365,8 +372,7 @@ class RetrievalCache:
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""
-        context = self._ids(() if context is None else context)  # None: no context
-        return self._ids(context[max(0, len(context) - self.context) :]) if self.context else []
+        return self._ids(_last(() if context is None else context, self.context)) if self.context else []  # None: none
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:

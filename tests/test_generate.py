@@ -1098,7 +1098,44 @@ def test_a_direct_calls_own_arguments_and_the_sink_and_draft_are_named():
     from hf_specdec.proposals import DraftModelDrafter
 
     for kwargs, said in ((dict(model="draft"), "takes a transformers causal LM"), (dict(window=2.5), "window must be"),
-                         (dict(generator=5), "generator must be"), (dict(do_sample="yes"), "do_sample must be"),
+                         (dict(generator=5), "generator must be"),
                          (dict(logits_processor="procs"), "logits_processor must be")):  # each failed inside the loop
         with pytest.raises(ValueError, match=said):
             DraftModelDrafter(**{"model": draft, "logits_processor": None, "do_sample": False, **kwargs})
+
+
+def test_what_the_argument_checks_must_still_take():
+    """From a review of the checks above: a compiled target, do_sample=None (a GenerationConfig's default) in a
+    DraftCandidateGenerator, and a MaxLengthCriteria shorter than the prompt (plain emits one token) were
+    refused; generate_continuous left a streamer un-ended when an earlier check failed."""
+    from transformers import MaxLengthCriteria
+    from hf_specdec.proposals import DraftCandidateGenerator
+
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    compiled = torch.compile(target, backend="eager")
+    result, = hf_specdec.generate_continuous(compiled, [[5, 6, 7]], assistant=draft, max_new_tokens=5)
+    assert result.ok and result.tokens.tolist() == target.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=5,
+                                                                   do_sample=False)[0, 3:].tolist()
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    out = hf_specdec.speculative_generate(compiled, ids, None, None, GenerationConfig(max_length=9), assistant=draft)
+    assert torch.equal(out, target.generate(ids, max_length=9, do_sample=False))
+    generator = DraftCandidateGenerator(draft, None, 4, GenerationConfig().do_sample)  # None: greedy
+    assert torch.equal(spec(target, None, candidate_generator=generator, max_new_tokens=6),
+                       target.generate(PROMPT, max_new_tokens=6, do_sample=False))
+    short = StoppingCriteriaList([MaxLengthCriteria(max_length=4)])
+    kwargs = dict(max_new_tokens=6, do_sample=False, stopping_criteria=short)
+    assert torch.equal(target.generate(ids, custom_generate=hf_specdec.speculative_generate, assistant=draft, **kwargs),
+                       target.generate(ids, **kwargs))
+    ends = []
+
+    class Ends(BaseStreamer):
+        def put(self, value):
+            pass
+
+        def end(self):
+            ends.append(1)
+
+    with pytest.raises(ValueError, match="streamers take one row"):  # refused and ended before the other checks
+        hf_specdec.generate_continuous(target, [[5, 6, 7]], assistant=draft, eos_token_id="x", streamer=Ends())
+    assert ends == [1]

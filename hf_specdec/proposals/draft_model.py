@@ -12,6 +12,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
+from ..config import as_int
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from ..verify import reads_are_free
@@ -76,12 +77,13 @@ class DraftModelDrafter(Drafter):
         _check_drafter_arguments(model, logits_processor, do_sample, generator, window, vocab)
         self.model = model
         self.logits_processor = logits_processor
-        self.do_sample = do_sample
+        self.do_sample = bool(do_sample)  # None, as GenerationConfig().do_sample is: greedy
         self.generator = generator
         self._drawing = generator  # what this round draws with: `generator`, else the call's (`DraftRequest.generator`)
         self.draft_vocab = model.get_output_embeddings().weight.shape[0]  # the rows the draft scores
-        self.vocab = self.draft_vocab if vocab is None else int(vocab)  # the rows it proposes over (the target's)
+        self.vocab = self.draft_vocab if vocab is None else int(as_int(vocab))  # the rows it proposes over (the target's)
         self.max_positions = context_length(model.config)
+        window = None if window is None else int(as_int(window))
         if window is not None and self.max_positions is not None:
             window = max(1, min(window, self.max_positions // 2))  # room to draft after the window
         self.window = window
@@ -251,11 +253,9 @@ def _check_drafter_arguments(model, logits_processor, do_sample, generator, wind
     if logits_processor is not None and not (isinstance(logits_processor, (list, tuple))
                                              and all(callable(p) for p in logits_processor)):
         raise ValueError(f"logits_processor must be a LogitsProcessorList (or None), got {type(logits_processor).__name__}")
-    if not isinstance(do_sample, bool):
-        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
-    for name, value in (("window", window), ("vocab", vocab)):
+    for name, value in (("window", as_int(window)), ("vocab", as_int(vocab))):
         if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
             raise ValueError(f"{name} must be a positive integer (or None), got {value!r}")
 

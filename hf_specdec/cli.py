@@ -205,7 +205,10 @@ def _draft_tokens(text: str) -> int:
 
 
 def _threads(text: str) -> int:
-    return _int_at_least(text, 0)
+    value, most = _int_at_least(text, 0), 4 * (os.cpu_count() or 1)
+    if value > most:  # a typo: torch would try to start them all
+        raise argparse.ArgumentTypeError(f"must be at most {most} (4 per core of this machine's {os.cpu_count()}), got {value}")
+    return value
 
 
 def _temperature(text: str) -> float:

@@ -641,6 +641,7 @@ def cli(capsys, monkeypatch, *args):
     (["--num-draft-tokens", "0"], "--num-draft-tokens: must be at least 1"),
     (["--repeats", "0"], "--repeats: must be at least 1"),
     (["--threads", "-1"], "--threads: must be at least 0"),
+    (["--threads", "100000000"], "--threads: must be at most"),  # torch tried to start them all
     (["--top-p", "1.5"], "--top-p"),
     (["--temperature", "nan"], "--temperature"),
     (["--device", "gpu9"], "not a torch device"),

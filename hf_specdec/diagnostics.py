@@ -56,6 +56,8 @@ def top_two_margin(scores: torch.Tensor) -> float:
     top2 = scores.float().topk(2).values
     if bool(torch.isneginf(top2[1])):  # nothing or one token left: -inf - -inf would be NaN
         return 0.0 if bool(torch.isneginf(top2[0])) else math.inf
+    if bool(top2[0] == top2[1]):  # an exact tie, +inf ones included (inf - inf would be NaN)
+        return 0.0
     return float(top2[0] - top2[1])
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from hf_specdec.diagnostics import Divergence, bf16_step, first_divergence, greedy_divergence, top_two_margin
@@ -21,6 +23,7 @@ def test_first_divergence():
 def test_top_two_margin_and_an_exact_tie():
     assert top_two_margin(torch.tensor([1.0, 3.0, 2.5, -4.0])) == 0.5
     assert top_two_margin(torch.tensor([2.0, 7.0, 7.0])) == 0.0  # tied top two, whatever else
+    assert top_two_margin(torch.tensor([math.inf, math.inf, 2.0])) == 0.0  # was NaN (inf - inf)
     # Distinct in float32, equal once rounded to bf16 (8 bits of mantissa): the case greedy meets.
     scores = torch.tensor([20.0, 20.03, -1.0]).to(torch.bfloat16)
     assert top_two_margin(scores) == 0.0

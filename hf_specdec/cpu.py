@@ -90,7 +90,6 @@ def _unsaveable(module: nn.Module, prefix: str, *args) -> None:
                        "or load the model before packing it, and pack after loading.")
 
 
-
 def _unloadable(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
     if prefix + "weight" in state_dict:  # a checkpoint's weight: load_state_dict(strict=False) skipped it silently
         _unsaveable(module, prefix)

@@ -175,7 +175,6 @@ def _bytes(tokens: list[int], index: dict, per_entry: int) -> int:
     return total
 
 
-
 def _last(tokens, n: int):
     """The last `n` of a 1-D sequence, cut before its ids are checked (once a round, at most `n`); anything
     else as given, for `_ids` to name."""

@@ -145,7 +145,7 @@ def validate(
 def _validate_call(input_ids, generation_config: GenerationConfig, assistant, candidate_generator, continuous: bool) -> None:
     """What generate() would have refused before a direct call of speculative_generate, and two drafts at once."""
     if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.dtype.is_floating_point \
-            or input_ids.dtype in (torch.bool, torch.complex64, torch.complex128):
+            or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         shape = f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a 2-D tensor of token ids, [rows, tokens], got {shape}")
     if assistant is not None and candidate_generator is not None:  # the draft was never used

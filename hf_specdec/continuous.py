@@ -373,6 +373,17 @@ def _as_ids(item: Any) -> torch.Tensor:
     return torch.empty(0, dtype=torch.long)
 
 
+def _eos_ids(eos) -> set[int]:
+    """The EOS ids as a set (None: none); anything but token ids named."""
+    try:
+        ids = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+    except (TypeError, ValueError, RuntimeError):
+        ids = [eos]
+    if not all(isinstance(e, int) and not isinstance(e, bool) for e in ids):
+        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
+    return set(ids)
+
+
 def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs) -> None:
     """`generate_continuous`'s arguments, before the first prompt is read (a streamer given is ended)."""
     from .arguments import _is_model, check_arguments
@@ -385,10 +396,6 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
                              "prompt). The streamer has been ended.")
     if not _is_model(model):  # a compiled one too
         raise ValueError(f"generate_continuous takes a transformers model (the target), got {type(model).__name__}")
-    eos = generate_kwargs.get("eos_token_id")
-    if eos is not None and not all(isinstance(e, numbers.Integral) and not isinstance(e, bool)
-                                   for e in (torch.as_tensor(eos).flatten().tolist() if not isinstance(eos, str) else [eos])):
-        raise ValueError(f"eos_token_id must be a token id or a list of them, got {eos!r}")
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     if on_result is not None and not callable(on_result):
@@ -450,7 +457,7 @@ def generate_continuous(
     _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs)
     max_length, max_new_tokens, pad, eos = (_setting(name, generate_kwargs, model) for name in (
         "max_length", "max_new_tokens", "pad_token_id", "eos_token_id"))
-    eos = set(torch.as_tensor(eos).flatten().tolist()) if eos is not None else set()
+    eos = _eos_ids(eos)
     requests = Requests(prompts, int(max_batch_size), model.device, on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0],
                         default_length=max_length is None and max_new_tokens is None,

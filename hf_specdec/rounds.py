@@ -525,7 +525,7 @@ def _observe_chains(state: DecodeState, proposal: Proposal, trace: Trace, accept
     planner, drafted = state.planner, []
     for i in range(len(accepted)):
         source, length = proposal.source_of(i), proposal.length(i)
-        if source == NGRAM and i in trace.retrieved:  # not an n-gram drafter's chain (NgramDrafter as the draft)
+        if _retrieved(proposal, trace, i):  # not an n-gram drafter's chain (NgramDrafter as the draft)
             size, origin = _match(trace, i)
             shares = _shares(state, i, origin)
             for j in range(min(accepted[i] + 1, length)):

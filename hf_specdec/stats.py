@@ -139,7 +139,7 @@ class AcceptanceStats:
     def from_dict(cls, data: dict[str, Any]) -> "AcceptanceStats":
         """The counters `to_dict` wrote (say, read back from JSON); its derived rates are recomputed, not read."""
         names = {f.name for f in fields(cls)}
-        unknown = set(data) - names - {"acceptance_rate", "token_acceptance", "mean_tokens_per_round", "per_position_rate"}
+        unknown = set(data) - set(cls().to_dict())  # its counters and derived rates
         if unknown:
             raise ValueError(f"AcceptanceStats.from_dict: unknown fields {sorted(unknown)}; it reads what to_dict writes")
         return cls(**{name: list(value) if isinstance(value, list) else value for name, value in data.items() if name in names})

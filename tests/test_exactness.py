@@ -263,6 +263,25 @@ def test_a_draft_whose_logits_are_nan_drafts_from_a_uniform_q_and_stays_exact(pa
     assert law_pvalue(law, samples, "a draft with NaN logits") > ALPHA
 
 
+class UniformClaimedQ(DraftModelDrafter):
+    """Broken on purpose: reports the uniform q of a NaN row but always proposes token 0 (a q the token was not
+    drawn from): the check above must see it."""
+
+    def _next(self, prefixes, drafts, logits, report):
+        token, q, parts = super()._next(prefixes, drafts, logits, report)
+        return torch.zeros_like(token), q, parts
+
+
+def test_broken_uniform_q_claimed_for_a_nan_draft_is_detected(pair):
+    target, draft, law = pair
+    broken = copy.deepcopy(draft)
+    with torch.no_grad():
+        broken.lm_head.weight[3] = float("nan")
+    source = UniformClaimedQ(broken, processors(), do_sample=True)
+    (samples,) = sample_rows(target, 4, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(None, candidate_generator=source))
+    assert law_pvalue(law, samples, "BROKEN (token 0 proposed under a uniform q)") < ALPHA
+
+
 def test_sampling_is_exact_with_a_large_vocabulary():
     """With 2048 tokens, top-k leaves few finite scores, so the CPU fast paths run: the sparse top-p
     (hf_specdec.sampling.SparseTopPLogitsWarper) for both models and the sparse draw

@@ -327,8 +327,8 @@ class RetrievalCache:
             learned = data.get("acceptance") or {}
             # an acceptance is kept per unit of share (`MatchAcceptance`), so it may pass 1; it is capped where read
             pooled = _rate(learned.get("pooled", cache.acceptance.pooled))
-            per_size = {int(k): _rate(v) for k, v in learned.get("per_size", {}).items()}
-            seen = {int(k): _count(v) for k, v in learned.get("seen", {}).items()}
+            per_size = {_size(k): _rate(v) for k, v in learned.get("per_size", {}).items()}
+            seen = {_size(k): _count(v) for k, v in learned.get("seen", {}).items()}
             sequences = data["sequences"]
             if not isinstance(sequences, list) or not all(isinstance(t, list) for t in sequences):
                 raise ValueError("sequences must be a list of lists of token ids")
@@ -421,6 +421,14 @@ def _rate(value) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < float("inf"):
         raise ValueError(f"an acceptance must be a finite number >= 0, got {value!r}")
     return float(value)
+
+
+def _size(key) -> int:
+    """A saved match size: the key `save` wrote, a positive integer."""
+    size = int(key) if isinstance(key, str) and key.isdigit() else 0
+    if size < 1:
+        raise ValueError(f"a match size must be a positive integer, got {key!r}")
+    return size
 
 
 def _count(value) -> int:

@@ -87,6 +87,9 @@ class AcceptanceStats:
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int, num_reached: int | None = None) -> None:
         """Count one row's round. `num_reached`: the positions the rule looked at, where not every position up
         to the first rejection had a token (a tree whose accepted branch ends early)."""
+        if not 0 <= num_accepted <= num_drafted or num_emitted < 0:  # (a stop may cut what it emits below what it kept)
+            raise ValueError(f"a round accepts 0 to the tokens it drafted and emits 0 or more: drafted {num_drafted}, "
+                             f"accepted {num_accepted}, emitted {num_emitted}")
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.emitted += num_emitted

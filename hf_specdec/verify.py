@@ -74,6 +74,7 @@ def speculative_sampling(
         emitted_tokens: [batch, k + 1] int64; row b holds num_accepted[b] accepted tokens followed
                         by one recovered or bonus token, then PAD_TOKEN.
     """
+    _check_tensors(draft_tokens=draft_tokens, draft_probs=draft_probs, target_probs=target_probs)
     _check_shapes(draft_tokens, target_probs, draft_probs)
     draft_tokens = draft_tokens.long()  # any integer dtype (uint8 ids compared with a vocabulary past 255 overflow)
     _check_lengths(draft_tokens, lengths, values=True)
@@ -112,13 +113,11 @@ def lazy_speculative_sampling(
     Returns num_accepted [batch], emitted_tokens [batch, k + 1] (as `speculative_sampling`) and p
     at the positions computed, [batch, n, vocab] with num_accepted + 1 <= n <= k + 1 for every row.
     """
-    if check and (not isinstance(draft_tokens, torch.Tensor) or draft_tokens.dim() != 2):
-        raise ValueError(f"draft_tokens must be [batch, k] integer ids, got {tuple(getattr(draft_tokens, 'shape', ()))}")
+    if check:
+        target_probs_at = _checked(draft_tokens, draft_probs, target_probs_at, generator, lengths, first_chunk)
     batch, k = draft_tokens.shape
     draft_tokens = draft_tokens.long()
     _check_lengths(draft_tokens, lengths, values=check)
-    if check:
-        target_probs_at = _checked(draft_tokens, draft_probs, target_probs_at, generator, lengths)
     if not reads_are_free(draft_tokens.device):  # an accelerator: p everywhere at once, no read to decide
         first_chunk = k + 1
     uniforms = _uniforms(draft_tokens, generator)  # [batch, k]
@@ -151,14 +150,19 @@ def greedy_verification(
     draft_tokens: torch.Tensor,  # [batch, k] int64
     target_scores: torch.Tensor,  # [batch, k + 1, vocab]: processed target scores (argmax is taken)
     lengths: torch.Tensor | None = None,  # [batch]: per-row proposal lengths, as in `speculative_sampling`
+    check: bool = True,  # ids in the vocabulary and lengths in 0..k, read back to check (the loop: False)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Greedy verification: accept while the draft token is the target's argmax, then emit the
     target's argmax at the first disagreement (or at position k + 1 when all agree).
 
     Returns (num_accepted [batch], emitted_tokens [batch, k + 1]) exactly like `speculative_sampling`.
     """
+    if check:
+        _check_tensors(draft_tokens=draft_tokens, target_scores=target_scores)
     _check_shapes(draft_tokens, target_scores)
-    _check_lengths(draft_tokens, lengths)
+    _check_lengths(draft_tokens, lengths, values=check)
+    if check and bool((((draft_tokens < 0) | (draft_tokens >= target_scores.shape[-1])) & _proposed(draft_tokens, lengths)).any()):
+        raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {target_scores.shape[-1]})")
     target_argmax = target_scores.argmax(dim=-1)  # [batch, k + 1]
     agree = (draft_tokens == target_argmax[:, :-1]) & _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = agree.long().cumprod(dim=-1).sum(dim=-1)  # [batch]
@@ -260,11 +264,19 @@ def _assemble(
 
 
 def _checked(draft_tokens: torch.Tensor, draft: torch.Tensor | None, target_probs_at: TargetProbsAt,
-             generator: torch.Generator | None, lengths: torch.Tensor | None) -> TargetProbsAt:
-    """`target_probs_at` whose every chunk is checked as `speculative_sampling` checks p (with the ids and q
-    once, at the first chunk), for a caller of the public lazy rule."""
+             generator: torch.Generator | None, lengths: torch.Tensor | None, first_chunk: int) -> TargetProbsAt:
+    """The public lazy rule's arguments, and `target_probs_at` whose every chunk is checked as
+    `speculative_sampling` checks p (with the ids and q once, at the first chunk)."""
+    _check_tensors(draft_tokens=draft_tokens, draft_probs=draft)
+    if draft_tokens.dim() != 2:
+        raise ValueError(f"draft_tokens must be [batch, k] integer ids, got {tuple(draft_tokens.shape)}")
+    if not callable(target_probs_at):
+        raise ValueError(f"target_probs_at must be a callable (start, stop) -> p, got {type(target_probs_at).__name__}")
+    if isinstance(first_chunk, bool) or not isinstance(first_chunk, int) or first_chunk < 1:
+        raise ValueError(f"first_chunk must be a positive int (positions of p asked for first), got {first_chunk!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+    draft_tokens = draft_tokens.long()
 
     def at(start: int, stop: int) -> torch.Tensor:
         chunk = target_probs_at(start, stop)
@@ -280,6 +292,14 @@ def _checked(draft_tokens: torch.Tensor, draft: torch.Tensor | None, target_prob
         return chunk
 
     return at
+
+
+def _check_tensors(**named: torch.Tensor | None) -> None:
+    """The public rules take tensors (None only where q may be None): a list or an array is named, not an
+    AttributeError."""
+    for name, value in named.items():
+        if not isinstance(value, torch.Tensor) and not (value is None and name == "draft_probs"):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__} (torch.as_tensor converts one)")
 
 
 def _check_shapes(draft_tokens: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None = None) -> None:

@@ -396,3 +396,22 @@ def test_bad_contexts_queries_and_stream_arguments_are_named():
         hf_specdec.generate_continuous("model", [[1, 2]], assistant=target)
     with pytest.raises(ValueError, match="eos_token_id must be a token id"):
         hf_specdec.generate_continuous(target, [[1, 2]], assistant=target, eos_token_id="x")
+
+
+def test_a_saved_cache_with_odd_match_sizes_is_named(tmp_path):
+    """Before: `load` took per_size keys such as "-3" or "1e3" (float() of a string) into the planner's table."""
+    import json
+
+    cache = hf_specdec.RetrievalCache()
+    cache.add([1, 2, 3, 1, 2, 4])
+    path = tmp_path / "c.json"
+    cache.save(path)
+    data = json.loads(path.read_text())
+    for key in ("-3", "0", "x", "1.5"):
+        data.setdefault("acceptance", {})["per_size"] = {key: 0.5}
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match="a match size must be a positive integer"):
+            hf_specdec.RetrievalCache.load(path)
+    data["acceptance"]["per_size"] = {"2": 0.5}
+    path.write_text(json.dumps(data))
+    assert hf_specdec.RetrievalCache.load(path).acceptance.per_size == {2: 0.5}

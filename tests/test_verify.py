@@ -406,3 +406,33 @@ def test_greedy_with_lengths_never_accepts_padding():
     assert n.tolist() == [2, 1] and emitted.tolist() == [[1, 2, 3], [1, 2, PAD_TOKEN]]
     n, emitted = greedy_verification(drafts, scores, lengths=torch.tensor([0, 0]))
     assert n.tolist() == [0, 0] and emitted[:, 0].tolist() == [1, 1]
+
+
+def test_the_public_rules_name_lists_foreign_ids_and_a_bad_first_chunk():
+    """Before: a list or an array met `.dim()` (AttributeError), greedy_verification kept an id past the
+    vocabulary out of the comparison without a word, and the lazy rule's first_chunk of 0 or 2.5 was a raw
+    error deep in its loop."""
+    p = torch.softmax(torch.randn(1, 3, 8, generator=torch.Generator().manual_seed(0)), -1)
+    for call in (lambda: speculative_sampling([[1, 2]], None, p), lambda: greedy_verification([[1, 2]], p),
+                 lambda: speculative_sampling(torch.tensor([[1, 2]]), None, p.numpy()),
+                 lambda: lazy_speculative_sampling([[1, 2]], None, lambda a, b: p[:, a:b])):
+        with pytest.raises(ValueError, match=r"must be a torch.Tensor, got (list|ndarray)"):
+            call()
+    with pytest.raises(ValueError, match=r"outside the vocabulary \[0, 8\)"):
+        greedy_verification(torch.tensor([[1, 9]]), p)
+    for first in (0, 2.5, True):
+        with pytest.raises(ValueError, match="first_chunk must be a positive int"):
+            lazy_speculative_sampling(torch.tensor([[1, 2]]), None, lambda a, b: p[:, a:b], first_chunk=first)
+    # padding past a row's length may hold anything, as in the sampling rules
+    assert greedy_verification(torch.tensor([[1, 9]]), p, lengths=torch.tensor([1]))[0].tolist() in ([0], [1])
+
+
+def test_acceptance_counts_refuse_more_accepted_than_drafted():
+    """Before: record(2, 5, 6) was an IndexError from the per-position counts."""
+    from hf_specdec import AcceptanceStats
+
+    stats = AcceptanceStats()
+    with pytest.raises(ValueError, match="accepts 0 to the tokens it drafted"):
+        stats.record(2, 5, 6)
+    stats.record(3, 1, 1)  # a stop may cut the emitted tokens below the kept ones
+    assert (stats.drafted, stats.accepted, stats.drafted_per_position) == (3, 1, [1, 1, 1])

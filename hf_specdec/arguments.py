@@ -135,7 +135,7 @@ def validate(
         raise UnsupportedCacheError(f"a batch of {input_ids.shape[0]} rows: rows that accept different numbers of "
                                     f"tokens leave masked holes, and {holes}. Generate one row at a time.")
     _validate_window(windows, input_ids, generation_config)
-    _validate_same_function(model)
+    _validate_same_function(model, input_ids.shape[0] > 1 or continuous)
     _validate_rope(model.config, tuple(input_ids.shape), generation_config.max_length, continuous)
     if assistant is not None:
         _validate_assistant(model, assistant)
@@ -440,6 +440,13 @@ def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:
     return config
 
 
+def draft_model(assistant):
+    """The model a draft source runs: a PEFT model's base model, which carries its adapter layers (PEFT's
+    wrapper takes no cache argument by name, and a draft's prompt-learning tokens, if any, change speed only)."""
+    base = getattr(assistant, "get_base_model", None)
+    return base() if type(assistant).__module__.startswith("peft.") and callable(base) else assistant
+
+
 def _is_model(model) -> bool:
     """A transformers model, or a wrapper passing its attributes through (torch.compile's OptimizedModule)."""
     return isinstance(model, torch.nn.Module) and hasattr(model, "config") and hasattr(model, "generation_config")
@@ -622,11 +629,31 @@ def _validate_rope(config, shape: tuple[int, int], max_length: int, continuous: 
                 "time, or use plain generate().")
 
 
-def _validate_same_function(model: PreTrainedModel) -> None:
-    """A target whose one-token steps and wider forwards compute different functions (int8 copies for
-    small inputs, `pack_linears(decode_bits=8)`): plain decoding reads one and verification the other."""
+# PEFT's per-call forward hooks (peft/tuners/lora/model.py), found by name: a LoRA adapter per row, fixed to the
+# batch's rows at the call's start; aLoRA's adapter on each forward's last positions only
+_ROW_ADAPTERS, _ALORA = "_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook"
+
+
+def _validate_same_function(model: PreTrainedModel, rows_change: bool) -> None:
+    """A target whose forwards here compute another function than plain decoding's: one-token steps and wider
+    forwards that differ (int8 copies for small inputs, `pack_linears(decode_bits=8)`), inputs injected where
+    plain generate() prepares them, adapters bound to the batch's first rows."""
     from .cpu import PackedLinear
 
+    own = vars(model).get("prepare_inputs_for_generation")  # PEFT prompt learning sets one; its restore, the class's
+    if own is not None and getattr(own, "__func__", None) is not getattr(type(model), "prepare_inputs_for_generation", None):
+        raise ValueError(f"the target's prepare_inputs_for_generation is replaced on the model ({getattr(own, '__qualname__', own)}"
+                         "; PEFT prompt tuning, p-tuning and prefix tuning add their virtual tokens there): hf_specdec "
+                         "calls the model's forward with token ids, so that would be skipped and the output would differ "
+                         "from plain generate(). Merge the adapter into the model, or use plain generate()")
+    hooks = {getattr(getattr(hook, "func", hook), "__name__", "") for m in model.modules() for hook in m._forward_pre_hooks.values()}
+    if _ALORA in hooks:
+        raise ValueError("the target runs a PEFT aLoRA adapter, which applies to the last positions of each forward "
+                         "(alora_offsets): a verify forward over several tokens would leave some without it. Use plain generate()")
+    if _ROW_ADAPTERS in hooks and rows_change:
+        raise ValueError("the target runs PEFT adapters per row (adapter_names=): PEFT fixes them to the batch's rows when "
+                         "the call starts, and hf_specdec's batches lose rows as they finish (and gain them when "
+                         "continuous). Generate each adapter's rows in a call of their own, without adapter_names")
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         cast = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
         if cast:  # .half() after pack_linears: the packed layers compute in float32, the rest in another dtype

@@ -26,7 +26,7 @@ from transformers.generation.streamers import BaseStreamer
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings,
-                        kept_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
+                        draft_model, kept_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
 from .batch import RaggedBatch
 from .cache import (UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback,
                     stop_recording)
@@ -95,7 +95,7 @@ def speculative_generate(
     kept = None if streamer is not None else kept_streamer()  # generate() put the prompt into it
     dropped = None if kept is spec_streamer else kept  # refused below, and ended on any error
     try:
-        config = check_arguments(own)  # before any model work
+        config, assistant = check_arguments(own), draft_model(assistant)  # before any model work
         logits_processor, stopping_criteria, generation_config = call_defaults(
             model, input_ids, logits_processor, stopping_criteria, generation_config, streamer, requests is not None)
         if streamer is None:

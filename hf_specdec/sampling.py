@@ -104,8 +104,9 @@ class RowProcessors:
         self.pipeline = _fast(processor)
         self.per_row = _row_pipelines(self.pipeline, batch_size) if batch_size > 1 else [self.pipeline]
         pipeline = list(self.pipeline or [])
-        self.prefix_free = all(isinstance(p, PREFIX_FREE) for p in pipeline)
-        self.row_independent = all(isinstance(p, ROW_INDEPENDENT) for p in pipeline)
+        # by exact type: a subclass of a warper may read input_ids or its rows (a processor of the user's)
+        self.prefix_free = all(type(p) in PREFIX_FREE + (SparseTopPLogitsWarper,) for p in pipeline)
+        self.row_independent = all(type(p) in ROW_INDEPENDENT + (SparseTopPLogitsWarper,) for p in pipeline)
         self.batch_size = batch_size
 
     def add_row(self) -> None:
@@ -274,7 +275,8 @@ def check_stateless(processor: LogitsProcessorList | None) -> None:
 
 def row_unsafe(processor: LogitsProcessorList | None) -> list[str]:
     """The processors not known to work row by row (each row its own call, as batches and streams run them)."""
-    return [type(p).__name__ for p in processor or [] if not isinstance(p, ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor,))]
+    known = ROW_INDEPENDENT + (RepetitionPenaltyLogitsProcessor, SparseTopPLogitsWarper)  # exact types, as in RowProcessors
+    return [type(p).__name__ for p in processor or [] if type(p) not in known]
 
 
 def _check_row_safe(processor: LogitsProcessorList) -> None:

@@ -25,6 +25,7 @@ import copy
 from torch import nn
 from transformers import PreTrainedModel
 
+from .arguments import draft_model
 from .config import as_int
 
 
@@ -65,7 +66,8 @@ def _shallow_copy(module: nn.Module) -> nn.Module:
 
 def early_exit_draft(model: PreTrainedModel, num_layers: int) -> PreTrainedModel:
     """A draft that runs the first `num_layers` decoder layers of `model`, then its final norm and
-    output head, sharing every weight with `model` (which is left unchanged)."""
+    output head, sharing every weight with `model` (which is left unchanged). A PEFT model: its base model's."""
+    model = draft_model(model)
     if not isinstance(model, PreTrainedModel) or model.get_output_embeddings() is None:
         raise ValueError(f"early_exit_draft takes a transformers causal LM (with its output head: load it with "
                          f"AutoModelForCausalLM), got {type(model).__name__}")

@@ -40,6 +40,8 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Sequence
 
+import torch
+
 from .planner import MatchAcceptance
 from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
@@ -72,7 +74,7 @@ def _token_id(token) -> int:
     """An integer token id >= 0 (an int, a numpy integer, a 0-d integer tensor), never a rounded float,
     a bool or a character."""
     try:
-        value = None if isinstance(token, bool) else operator.index(token)
+        value = None if isinstance(token, bool) or getattr(token, "dtype", None) == torch.bool else operator.index(token)
     except TypeError:
         value = None
     if value is None or value < 0:
@@ -183,10 +185,26 @@ def _last(tokens, n: int):
         return tokens[max(0, len(tokens) - n) :]
     return tokens
 
+class _constructor(classmethod):
+    """A classmethod that, called on an instance, says it makes a new object (`cache.load(path)` would
+    leave `cache` as it was, without a word)."""
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return super().__get__(instance, owner)
+
+        def refuse(*args, **kwargs):
+            raise TypeError(f"{type(instance).__name__}.{self.__func__.__name__} makes a new cache: "
+                            f"cache = {type(instance).__name__}.{self.__func__.__name__}(path)")
+
+        return refuse
+
+
 class RetrievalCache:
     """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
 
-    `max_tokens`: the most tokens held (oldest sequences evicted first; about 360 bytes a token). `context`: how many prompt
+    `max_tokens`: the most tokens held, separators included (oldest sequences evicted first, the newest
+    always kept; about 600 bytes a token, `memory_bytes()`). `context`: how many prompt
     tokens before each output are kept with it (a later answer to the same prompt matches them).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
@@ -311,14 +329,14 @@ class RetrievalCache:
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 
-    @classmethod
+    @_constructor
     def load(cls, path: str | Path) -> "RetrievalCache":
-        """A cache `save` wrote."""
+        """A new cache, the one `save` wrote: `cache = RetrievalCache.load(path)`."""
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
             raise  # as open() raises it: `except FileNotFoundError` starts a new cache
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, RecursionError) as err:  # (JSON nested past the interpreter's depth)
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
         if not isinstance(data, dict) or data.get("format") != FORMAT:
             raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
@@ -345,9 +363,13 @@ class RetrievalCache:
     def __copy__(self) -> "RetrievalCache":  # a shallow copy would share the store under another lock
         return copy.deepcopy(self)
 
-    def __getstate__(self) -> dict:  # copy.deepcopy and pickle: everything but the lock
+    def __getstate__(self) -> dict:
+        """copy.deepcopy and pickle: everything but the lock and, as `save`, the sequences still open (a running
+        call's rows: it closes them in the original, and nothing would close them in the copy)."""
         with self._lock:
-            return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+            state = {k: v for k, v in self.__dict__.items() if k != "_lock"}
+            state["_open"] = _Open(self.index_ngram)
+            return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)

@@ -95,11 +95,14 @@ def admit(state: DecodeState) -> None:
     if not batch.size:  # everything finished: start from empty caches
         batch.clear()
         clear_caches(state.caches)
+    # the id that fills masked columns is fed to the models: the pad id where it has an embedding row, else 0
+    rows = state.model.get_input_embeddings().weight.shape[0]
+    filler = state.pad_token_id if 0 <= state.pad_token_id < rows else 0
     for prompt in prompts:
-        front = batch.widen(prompt.shape[0], state.pad_token_id)
+        front = batch.widen(prompt.shape[0], filler)
         if front:
             pad_front(state.caches, front)
-        batch.add_row(prompt, requests.max_new_tokens(len(batch.prompts), prompt, state.generation_config), state.pad_token_id)
+        batch.add_row(prompt, requests.max_new_tokens(len(batch.prompts), prompt, state.generation_config), filler)
         ids, mask = batch.ids[-1:], batch.mask[-1:]
         add_row(state.model, state.cache, ids, mask)
         state.drafter.add_row(ids, mask)

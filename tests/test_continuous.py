@@ -266,3 +266,17 @@ def test_a_stream_refuses_a_deadline_and_a_single_prompt_and_names_a_failed_loop
         hf_specdec.generate_continuous(target, [[1, 5, 9], [3], [7, 8]], assistant=draft, max_new_tokens=8,
                                        acceptance_sink=sink, max_batch_size=np.int64(2))
     assert caught.value.results == [] or all(r is None or not r.ok for r in caught.value.results)
+
+
+@pytest.mark.parametrize("arch, pad", [("gpt2", None), ("llama", 500)])
+def test_a_pad_id_outside_the_vocabulary_fills_no_column(arch, pad):
+    """Before: rows joining the batch were padded with pad_token_id (or EOS: GPT-2's 50256 with a small vocabulary,
+    which transformers only warns about) and that id was embedded: IndexError, and the whole stream failed."""
+    target = tiny_model(arch, vocab=64, seed=3)
+    if arch == "gpt2":
+        target.config.eos_token_id = target.generation_config.eos_token_id = 50256
+    draft = perturbed(target, 0.02)
+    prompts, kwargs = [[5, 6, 7], [8, 9, 10, 11, 12]], dict(max_new_tokens=6, do_sample=False, pad_token_id=pad)
+    plain = [target.generate(torch.tensor([p]), **kwargs)[0, len(p):].tolist() for p in prompts]
+    results = hf_specdec.generate_continuous(target, prompts, assistant=draft, max_batch_size=2, **kwargs)
+    assert [r.tokens.tolist() for r in results] == plain

@@ -415,3 +415,29 @@ def test_a_saved_cache_with_odd_match_sizes_is_named(tmp_path):
     data["acceptance"]["per_size"] = {"2": 0.5}
     path.write_text(json.dumps(data))
     assert hf_specdec.RetrievalCache.load(path).acceptance.per_size == {2: 0.5}
+
+
+def test_bool_ids_deep_files_load_on_a_cache_and_copies_during_a_call(tmp_path):
+    """Before: a bool tensor's items passed as ids 1 and 0; a file nested past Python's depth raised a raw
+    RecursionError; `cache.load(path)` on a cache returned a new one and left that cache empty without a word;
+    and a copy taken during a call kept the call's rows open forever (nothing closes them in the copy)."""
+    import copy
+
+    cache = hf_specdec.RetrievalCache()
+    with pytest.raises(ValueError, match="token ids must be integers"):
+        cache.add(torch.tensor([True, False, True]))
+    path = tmp_path / "deep.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(ValueError, match="cannot read a saved hf_specdec.RetrievalCache"):
+        RetrievalCache.load(path)
+    cache.add([1, 2, 3])
+    cache.save(path)
+    with pytest.raises(TypeError, match=r"makes a new cache: cache = RetrievalCache.load\(path\)"):
+        cache.load(path)
+    assert len(RetrievalCache.load(path)) == len(cache)
+    cache.open("row", context=[7])
+    cache.extend("row", [4, 5])
+    for twin in (copy.deepcopy(cache), copy.copy(cache)):
+        assert len(twin) == 4 and twin.lookup([4], 2) == ([], 0)  # the finished sequence, not the open row
+    cache.close("row")
+    assert cache.lookup([4], 2)[0] == [[5]]

@@ -13,6 +13,7 @@ import copy
 import importlib
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -194,7 +195,10 @@ def load_pair(target_name: str, draft_name: str, device, device_map=None, pack: 
     steps (the draft too: its prompt encoding and catch-ups are forwards over many tokens). With
     `draft_bits` 8 the packed draft also gets int8 copies for its one-token steps (`decode_bits=8`);
     `drafts_by_precision` gives the draft without them to the methods that take the draft as loaded."""
-    if target_name == "tiny" or draft_name == "tiny":
+    if (target_name == "tiny") != (draft_name == "tiny"):  # the tiny pair is one pair: a named folder is not dropped
+        raise ValueError(f"'tiny' names the offline pair, target and draft together: got --target {target_name} and "
+                         f"--draft {draft_name} (give --target tiny --draft tiny, or two real models)")
+    if target_name == "tiny":
         from tiny import tiny_pair
 
         target, draft, tokenizer = tiny_pair()
@@ -242,9 +246,26 @@ def draft_length(text: str) -> int:
 
 def threads_count(text: str) -> int:
     try:
-        return 0 if text.strip() == "0" else positive_int(text)
+        value = 0 if text.strip() == "0" else positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or a positive integer, got {text!r}") from None
+    most = 4 * (os.cpu_count() or 1)
+    if value > most:  # a typo: torch would try to start them all
+        raise argparse.ArgumentTypeError(f"must be at most {most} (4 per core of this machine's {os.cpu_count()}), got {value}")
+    return value
+
+
+def model_name(text: str) -> str:
+    """--target / --draft: 'tiny', a registry name or hub id, or a local model folder that exists (transformers
+    would take a missing folder for a hub id)."""
+    from hf_specdec.pair import check_local_model
+
+    if text != "tiny":
+        try:
+            check_local_model(text)
+        except Exception as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+    return text
 
 
 def existing_path(text: str) -> str:
@@ -286,8 +307,8 @@ def json_object(text: str) -> dict:
 
 REQUIRED = object()  # add_options(parser, out=REQUIRED): the option must be given
 OPTIONS = {  # each shared option, defined once: (flag, argparse settings)
-    "target": ("--target", dict(default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")),
-    "draft": ("--draft", dict(default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny'")),
+    "target": ("--target", dict(type=model_name, default=TARGET.name, help="registry name, local folder, hub id, or 'tiny'")),
+    "draft": ("--draft", dict(type=model_name, default=DRAFT.name, help="registry name, local folder, hub id, or 'tiny' (with --target tiny)")),
     "draft_bits": ("--draft-bits", dict(type=int, choices=(4, 8, 16), default=8,
                                         help="weight-only quantization of hf_specdec's draft (16: none; default int8)")),
     "pack": ("--pack", dict(action="store_true", help=PACK_HELP)),
@@ -336,7 +357,7 @@ def hf_draft(draft, bits: int):
         return draft
     from hf_specdec.quantize import quantize_weights
 
-    return quantize_weights(copy.deepcopy(draft), bits)
+    return quantize_weights(copy.deepcopy(draft), bits, group_size=32)  # as the CLI's --draft-bits (int4 in groups of 32)
 
 
 def drafts_by_precision(draft, bits: int) -> dict:

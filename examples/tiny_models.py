@@ -61,10 +61,16 @@ def main(max_new_tokens: int, num_draft_tokens: int, sample: bool) -> None:
           f"per position {[round(r, 2) for r in stats.per_position_rate]}")
 
 
+def positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return int(text)
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--max-new-tokens", type=positive, default=64)
+    parser.add_argument("--num-draft-tokens", type=positive, default=5)
     parser.add_argument("--sample", action="store_true", help="sample at temperature 0.7 instead of greedy")
     args = parser.parse_args()
     main(args.max_new_tokens, args.num_draft_tokens, args.sample)

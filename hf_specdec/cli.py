@@ -185,6 +185,12 @@ def _positive_int(text: str) -> int:
     return _int_at_least(text, 1)
 
 
+def _prompt(text: str) -> str:
+    if not text.strip():  # without a chat template it would be no token at all
+        raise argparse.ArgumentTypeError("the prompt is empty")
+    return text
+
+
 def _int_at_least(text: str, minimum: int) -> int:
     try:
         value = int(text)
@@ -310,7 +316,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-specdec", description="Exact speculative decoding for transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
-    gen.add_argument("prompt", nargs="?", default=DEFAULT_PROMPT)
+    gen.add_argument("prompt", nargs="?", type=_prompt, default=DEFAULT_PROMPT)
     gen.add_argument("--target", default=TARGET.name, type=_model("target"), help="registry name, local folder or hub id")
     gen.add_argument("--draft", default=None, type=_model("draft"),
                      help="registry name, local folder or hub id; self:L for the target's own first L layers (early exit). "

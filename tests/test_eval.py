@@ -669,6 +669,9 @@ def test_paired_ratios_pair_prompts_and_bootstrap_within_categories(tmp_path):
     ("run_eval", ["--num-draft-tokens", "5000"], "must be at most 1024"),
     ("batch_study", ["--num-draft-tokens", "0"], "must be a positive integer"),
     ("run_eval", ["--threads", "-1"], "0 .* or a positive integer"),
+    ("run_eval", ["--threads", "100000"], "must be at most"),  # had been torch's allocation error in the tiny pair
+    ("run_eval", ["--target", "./no/such/folder"], "no model folder at"),  # had been a traceback after --out was made
+    ("repetition", ["--out", "x", "--draft", "./no/such/folder"], "no model folder at"),
     ("run_eval", ["--out", "README.md"], "is a file"),
     ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--limit", "-1"],
      "positive integer"),  # had replayed every prompt but the last
@@ -692,3 +695,18 @@ def test_eval_scripts_name_bad_arguments_before_loading_anything(script, argv, m
     with pytest.raises(SystemExit):
         entry(argv)
     assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_the_tiny_pair_is_named_for_both_models_or_neither():
+    """Before: --target tiny with a draft folder (or the reverse) loaded the tiny pair for both without a word,
+    and the folder was recorded as the model measured."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "evals"))
+    try:
+        from common import load_pair
+    finally:
+        sys.path.remove(str(ROOT / "evals"))
+    for target, draft in (("tiny", "some/folder"), ("some/folder", "tiny")):
+        with pytest.raises(ValueError, match="'tiny' names the offline pair, target and draft together"):
+            load_pair(target, draft, "cpu")

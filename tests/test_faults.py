@@ -652,6 +652,7 @@ def cli(capsys, monkeypatch, *args):
     (["--device", "cuda:7"] if not torch.cuda.is_available() else ["--device", "cuda:99"], "cuda"),
     (["--device", "mps"], "mps"),
     (["--device", "meta"], "no meta device"),
+    ([" "], "the prompt is empty"),  # had loaded both models, then a reshape error without a chat template
 ])
 def test_cli_refuses_bad_arguments_in_one_line_before_loading(capsys, monkeypatch, args, message):
     """Before: models loaded first, then UnboundLocalError (--repeats 0) or tracebacks (--threads -1, a

@@ -629,15 +629,10 @@ def _validate_rope(config, shape: tuple[int, int], max_length: int, continuous: 
                 "time, or use plain generate().")
 
 
-# PEFT's per-call forward hooks (peft/tuners/lora/model.py), found by name: a LoRA adapter per row, fixed to the
-# batch's rows at the call's start; aLoRA's adapter on each forward's last positions only
-_ROW_ADAPTERS, _ALORA = "_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook"
-
-
 def _validate_same_function(model: PreTrainedModel, rows_change: bool) -> None:
     """A target whose forwards here compute another function than plain decoding's: one-token steps and wider
     forwards that differ (int8 copies for small inputs, `pack_linears(decode_bits=8)`), inputs injected where
-    plain generate() prepares them, adapters bound to the batch's first rows."""
+    plain generate() prepares them, adapters bound to the batch's first rows (`_validate_peft`)."""
     from .cpu import PackedLinear
 
     own = vars(model).get("prepare_inputs_for_generation")  # PEFT prompt learning sets one; its restore, the class's
@@ -646,14 +641,7 @@ def _validate_same_function(model: PreTrainedModel, rows_change: bool) -> None:
                          "; PEFT prompt tuning, p-tuning and prefix tuning add their virtual tokens there): hf_specdec "
                          "calls the model's forward with token ids, so that would be skipped and the output would differ "
                          "from plain generate(). Merge the adapter into the model, or use plain generate()")
-    hooks = {getattr(getattr(hook, "func", hook), "__name__", "") for m in model.modules() for hook in m._forward_pre_hooks.values()}
-    if _ALORA in hooks:
-        raise ValueError("the target runs a PEFT aLoRA adapter, which applies to the last positions of each forward "
-                         "(alora_offsets): a verify forward over several tokens would leave some without it. Use plain generate()")
-    if _ROW_ADAPTERS in hooks and rows_change:
-        raise ValueError("the target runs PEFT adapters per row (adapter_names=): PEFT fixes them to the batch's rows when "
-                         "the call starts, and hf_specdec's batches lose rows as they finish (and gain them when "
-                         "continuous). Generate each adapter's rows in a call of their own, without adapter_names")
+    _validate_peft(model, rows_change)
     if any(isinstance(m, PackedLinear) for m in model.modules()):
         cast = sorted({str(p.dtype) for p in model.parameters() if p.is_floating_point() and p.dtype != torch.float32})
         if cast:  # .half() after pack_linears: the packed layers compute in float32, the rest in another dtype
@@ -679,6 +667,36 @@ def _validate_cast_together(owner: PreTrainedModel, draft: PreTrainedModel) -> N
         raise ValueError(f"the early-exit draft's model now has weights in {found}: an early-exit draft shares its "
                          "layers with its model, so casting the draft (.half(), .to(dtype)) cast that part of the "
                          "target too. Cast the target, then make the draft (hf_specdec.early_exit_draft)")
+
+
+# PEFT's forward pre-hooks, by function name (peft 0.21: tuners/lora, glora, road, shadow): per call, an adapter per
+# row and aLoRA's offsets (LoRA's context manager leaves them on the model when the call inside it raises); for good,
+# ShadowPEFT's, which threads a cache of its own (ShadowCache) through past_key_values
+_PER_CALL = ("_adapter_names_pre_forward_hook", "_alora_offsets_pre_forward_hook")
+_ALWAYS = {"_alora_offsets_pre_forward_hook": "an aLoRA adapter, which applies to the last positions of each forward "
+                                              "(alora_offsets): a verify forward over several tokens would leave some without it",
+           "_seed_shadow_pre_hook": "a ShadowPEFT adapter, which keeps a cache of its own beside the model's (ShadowCache) "
+                                    "that hf_specdec cannot roll back"}
+
+
+def _validate_peft(model: PreTrainedModel, rows_change: bool) -> None:
+    """PEFT adapters that bind to a call's rows or positions, or keep a cache of their own, found by their hooks."""
+    hooks = [(m, key, getattr(getattr(hook, "func", hook), "__name__", ""), getattr(getattr(hook, "func", hook), "__module__", ""))
+             for m in model.modules() for key, hook in m._forward_pre_hooks.items()]
+    always = next((_ALWAYS[name] for _, _, name, _ in hooks if name in _ALWAYS), None)
+    per_row = rows_change and any(name in _PER_CALL or (module.startswith("peft.") and name not in _ALWAYS)
+                                  for _, _, name, module in hooks)  # Poly's task_ids hook has a name of no kind
+    if always is None and not per_row:
+        return
+    for m, key, name, _ in hooks:  # removed as PEFT removes them when its call returns (not a refused call's)
+        if name in _PER_CALL:
+            for where in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_pre_hooks_always_called"):
+                getattr(m, where, {}).pop(key, None)  # (the last made only once a hook asks for it)
+    if always is not None:
+        raise ValueError(f"the target runs {always}. Use plain generate()")
+    raise ValueError("the target runs PEFT adapters per row (adapter_names=, or Poly's task_ids=): PEFT fixes them to the "
+                     "batch's rows when the call starts, and hf_specdec's batches lose rows as they finish (and gain them "
+                     "when continuous). Generate each adapter's rows in a call of their own, without adapter_names")
 
 
 def padding_rows(target_vocab: int, draft_vocab: int) -> bool:

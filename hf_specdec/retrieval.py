@@ -185,21 +185,6 @@ def _last(tokens, n: int):
         return tokens[max(0, len(tokens) - n) :]
     return tokens
 
-class _constructor(classmethod):
-    """A classmethod that, called on an instance, says it makes a new object (`cache.load(path)` would
-    leave `cache` as it was, without a word)."""
-
-    def __get__(self, instance, owner=None):
-        if instance is None:
-            return super().__get__(instance, owner)
-
-        def refuse(*args, **kwargs):
-            raise TypeError(f"{type(instance).__name__}.{self.__func__.__name__} makes a new cache: "
-                            f"cache = {type(instance).__name__}.{self.__func__.__name__}(path)")
-
-        return refuse
-
-
 class RetrievalCache:
     """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
 
@@ -329,9 +314,10 @@ class RetrievalCache:
             Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
                                               "acceptance": learned}))
 
-    @_constructor
+    @classmethod
     def load(cls, path: str | Path) -> "RetrievalCache":
-        """A new cache, the one `save` wrote: `cache = RetrievalCache.load(path)`."""
+        """A new cache, the one `save` wrote: `cache = RetrievalCache.load(path)` (a classmethod: called on a
+        cache, it returns a new one and leaves that cache as it was)."""
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:

@@ -30,6 +30,7 @@ measurable (see `RESIDUAL_EPS`).
 
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import torch
@@ -124,7 +125,7 @@ def lazy_speculative_sampling(
     proposed = _proposed(draft_tokens, lengths)  # [batch, k]
     num_accepted = torch.full((batch,), k, dtype=torch.long, device=draft_tokens.device)
     decided = torch.zeros(batch, dtype=torch.bool, device=draft_tokens.device)
-    chunks, start, size = [], 0, first_chunk
+    chunks, start, size = [], 0, operator.index(first_chunk)
     while True:
         stop = min(k + 1, start + size)
         chunks.append(target_probs_at(start, stop))  # [batch, stop - start, vocab]
@@ -161,6 +162,7 @@ def greedy_verification(
         _check_tensors(draft_tokens=draft_tokens, target_scores=target_scores)
     _check_shapes(draft_tokens, target_scores)
     _check_lengths(draft_tokens, lengths, values=check)
+    draft_tokens = draft_tokens.long()  # any integer dtype (uint8 ids compared with a vocabulary past 255 overflow)
     if check and bool((((draft_tokens < 0) | (draft_tokens >= target_scores.shape[-1])) & _proposed(draft_tokens, lengths)).any()):
         raise ValueError(f"draft_tokens hold ids outside the vocabulary [0, {target_scores.shape[-1]})")
     target_argmax = target_scores.argmax(dim=-1)  # [batch, k + 1]
@@ -272,7 +274,11 @@ def _checked(draft_tokens: torch.Tensor, draft: torch.Tensor | None, target_prob
         raise ValueError(f"draft_tokens must be [batch, k] integer ids, got {tuple(draft_tokens.shape)}")
     if not callable(target_probs_at):
         raise ValueError(f"target_probs_at must be a callable (start, stop) -> p, got {type(target_probs_at).__name__}")
-    if isinstance(first_chunk, bool) or not isinstance(first_chunk, int) or first_chunk < 1:
+    try:
+        chunk = None if isinstance(first_chunk, bool) else operator.index(first_chunk)  # a numpy or 0-d tensor int too
+    except TypeError:
+        chunk = None
+    if chunk is None or chunk < 1:
         raise ValueError(f"first_chunk must be a positive int (positions of p asked for first), got {first_chunk!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
@@ -423,6 +424,9 @@ def test_the_public_rules_name_lists_foreign_ids_and_a_bad_first_chunk():
     for first in (0, 2.5, True):
         with pytest.raises(ValueError, match="first_chunk must be a positive int"):
             lazy_speculative_sampling(torch.tensor([[1, 2]]), None, lambda a, b: p[:, a:b], first_chunk=first)
+    for first in (np.int64(1), torch.tensor(2)):  # integers of other kinds, as before
+        lazy_speculative_sampling(torch.tensor([[1, 2]]), None, lambda a, b: p[:, a:b], first_chunk=first)
+    greedy_verification(torch.tensor([[250, 7]], dtype=torch.uint8), torch.zeros(1, 3, 300))  # uint8 ids in range
     # padding past a row's length may hold anything, as in the sampling rules
     assert greedy_verification(torch.tensor([[1, 9]]), p, lengths=torch.tensor([1]))[0].tolist() in ([0], [1])
 

@@ -65,24 +65,34 @@ def _alora_offsets_pre_forward_hook(module, args, kwargs):
     return args, kwargs
 
 
+def _seed_shadow_pre_hook(module, args, kwargs):  # ShadowPEFT's, registered for good: it threads a ShadowCache
+    return args, kwargs
+
+
 def test_per_row_adapters_and_alora_are_refused_where_they_would_differ():
     """PEFT's adapter_names= binds one adapter per row when the call starts. Before: a batch lost a row as it
-    finished and PEFT's next forward failed inside the decode loop (leaving its hooks on the model); aLoRA,
-    which adapts each forward's last positions, would leave a verify forward's earlier ones unadapted."""
+    finished and PEFT's next forward failed inside the decode loop (leaving its hooks on the model, so that
+    every later call failed too); aLoRA, which adapts each forward's last positions, would leave a verify
+    forward's earlier ones unadapted; ShadowPEFT's own cache failed in a raw size mismatch."""
     target = tiny_model("llama", vocab=64, seed=3)
     draft = perturbed(target, 0.02)
     layer = target.model.layers[0].self_attn.q_proj
+    for call in (lambda: spec(target, PROMPT.repeat(2, 1), assistant=draft),
+                 lambda: hf_specdec.generate_continuous(target, [[1, 5, 9]], assistant=draft, max_new_tokens=4)):
+        layer.register_forward_pre_hook(_adapter_names_pre_forward_hook, with_kwargs=True)
+        with pytest.raises(ValueError, match="PEFT adapters per row"):
+            call()
+        assert not layer._forward_pre_hooks  # PEFT removes them when its call returns; a refused call's, hf_specdec
     handle = layer.register_forward_pre_hook(_adapter_names_pre_forward_hook, with_kwargs=True)
-    with pytest.raises(ValueError, match="PEFT adapters per row"):
-        spec(target, PROMPT.repeat(2, 1), assistant=draft)
-    with pytest.raises(ValueError, match="PEFT adapters per row"):
-        hf_specdec.generate_continuous(target, [[1, 5, 9]], assistant=draft, max_new_tokens=4, do_sample=False)
     assert torch.equal(spec(target, assistant=draft), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
     handle.remove()
-    handle = layer.register_forward_pre_hook(_alora_offsets_pre_forward_hook, with_kwargs=True)
+    layer.register_forward_pre_hook(_alora_offsets_pre_forward_hook, with_kwargs=True)
     with pytest.raises(ValueError, match="aLoRA"):
         spec(target, assistant=draft)
-    handle.remove()
+    layer.register_forward_pre_hook(_seed_shadow_pre_hook, with_kwargs=True)
+    with pytest.raises(ValueError, match="ShadowPEFT"):
+        spec(target, assistant=draft)
+    assert list(layer._forward_pre_hooks.values()) == [_seed_shadow_pre_hook]  # ShadowPEFT's own stay
 
 
 class PeftModelForCausalLM(torch.nn.Module):

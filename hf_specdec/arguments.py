@@ -21,6 +21,7 @@ from transformers.generation.logits_process import (ExponentialDecayLengthPenalt
                                                     MinNewTokensLengthLogitsProcessor, SuppressTokensAtBeginLogitsProcessor)
 from transformers.generation.stopping_criteria import MaxLengthCriteria
 from transformers.generation.streamers import BaseStreamer
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from .cache import UnsupportedCacheError, check_cache, column_bound, forward_takes, local_window
 from .config import SETTINGS, SpeculativeConfig
@@ -130,11 +131,7 @@ def validate(
     if cached >= input_ids.shape[1]:
         raise ValueError(f"the cache passed in holds {cached} tokens and the input {input_ids.shape[1]}: a cache "
                          "must hold a prefix of input_ids, with at least the last token left to encode.")
-    windows, holes = _validate_layers(model, "target"), column_bound(model)[0]
-    if holes and not windows and input_ids.shape[0] > 1:  # no window a batch could be checked against
-        raise UnsupportedCacheError(f"a batch of {input_ids.shape[0]} rows: rows that accept different numbers of "
-                                    f"tokens leave masked holes, and {holes}. Generate one row at a time.")
-    _validate_window(windows, input_ids, generation_config)
+    _validate_window(_validate_holes(model, input_ids, continuous), input_ids, generation_config)
     _validate_same_function(model, input_ids.shape[0] > 1 or continuous)
     _validate_rope(model.config, tuple(input_ids.shape), generation_config.max_length, continuous)
     if assistant is not None:
@@ -284,6 +281,24 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     local = local_window(model.config)  # local attention in full-attention cache layers counts columns too
     return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)] + (
         [] if local is None else [local])
+
+
+def _validate_holes(model: PreTrainedModel, input_ids: torch.Tensor, continuous: bool) -> list[int]:
+    """Rows that accept different numbers of tokens leave masked holes: refused where the target's attention
+    sees them (and there is no window a batch could be checked against). Returns the target's windows."""
+    windows, holes = _validate_layers(model, "target"), column_bound(model)[0]
+    if holes and not windows and (input_ids.shape[0] > 1 or continuous):
+        what = "continuous batching" if continuous else f"a batch of {input_ids.shape[0]} rows"
+        raise UnsupportedCacheError(f"{what}: rows that accept different numbers of tokens leave masked holes, and "
+                                    f"{holes}. Generate one row at a time.")
+    implementation = getattr(model.config, "_attn_implementation", None)
+    if implementation is not None and implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+        raise UnsupportedCacheError(
+            f"the target's attention implementation {implementation!r} has no mask function registered "
+            "(transformers.masking_utils.AttentionMaskInterface), so transformers builds no attention mask for it: "
+            "plain decoding's one-token steps need none, but a forward over several new tokens after a cache would "
+            "attend past each token. Register a mask function for it, or use 'sdpa' or 'eager'.")
+    return windows
 
 
 def _validate_window(windows: list[int], input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
@@ -589,9 +604,24 @@ def _validate_rows(candidate_generator, rows: int, what: str) -> None:
                          f"time; {what}")
 
 
+def check_embeddings(model: PreTrainedModel, who: str = "target") -> None:
+    """The accessors hf_specdec reads the vocabulary through (plain generate() needs neither)."""
+    try:
+        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    except NotImplementedError as error:  # transformers' default for a model of one's own
+        raise ValueError(f"the {who} ({type(model).__name__}) has no get_input_embeddings() ({error}): hf_specdec reads "
+                         "the vocabulary through get_input_embeddings() and get_output_embeddings(); define both, as "
+                         "transformers' causal LMs do") from None
+    if getattr(head, "weight", None) is None or getattr(embeddings, "weight", None) is None:
+        raise ValueError(f"the {who} ({type(model).__name__}) has no language-model head that get_output_embeddings() "
+                         "returns (or no input embedding): hf_specdec reads the vocabulary from its rows. Load it with "
+                         "AutoModelForCausalLM, not AutoModel; a model of one's own defines both accessors")
+
+
 def _validate_ids(model: PreTrainedModel, input_ids: torch.Tensor) -> None:
     """Ids the target cannot embed, named before anything (a retrieval cache included) keeps them: plain
     generate() fails inside the embedding, and a cache holding the prompt would refuse every later call."""
+    check_embeddings(model)
     rows = getattr(model.get_input_embeddings(), "num_embeddings", None)
     if isinstance(rows, int) and input_ids.numel():
         low, high = torch.stack([input_ids.min(), input_ids.max()]).tolist()  # one read, once a call
@@ -710,9 +740,7 @@ def padding_rows(target_vocab: int, draft_vocab: int) -> bool:
 def _validate_assistant(model: PreTrainedModel, assistant: PreTrainedModel) -> None:
     if assistant.config.is_encoder_decoder:
         raise ValueError("the draft model (assistant) must be decoder-only.")
-    if assistant.get_output_embeddings() is None:
-        raise ValueError(f"the draft model (assistant) is a {type(assistant).__name__}, which has no language-model head "
-                         "and gives no token scores: load it with AutoModelForCausalLM, not AutoModel.")
+    check_embeddings(assistant, "draft model (assistant)")
     owner = getattr(assistant, "shares_weights_with", None)  # an early-exit draft: are its layers still its model's?
     if owner is not None and not {id(m) for m in assistant.modules() if next(m.children(), None) is None} <= {
             id(m) for m in owner.modules()}:

@@ -104,6 +104,12 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
     if not forward_takes(model, "position_ids"):
         why = f"{type(model).__name__} takes no position ids: it numbers tokens by their cache columns"
         return why, why
+    if not forward_takes(model, "attention_mask"):
+        why = f"{type(model).__name__} takes no attention mask: it attends to padding and holes"
+        return why, why
+    if not type(getattr(model, "_orig_mod", model)).__module__.startswith("transformers."):
+        return None, (f"{type(model).__name__} is not a model of transformers', which take a 4-D mask as given (a model "
+                      "of one's own may read it as a 2-D one, as transformers' legacy mask helper does)")
     if getattr(config, "_attn_implementation", None) == "flex_attention":  # seen with torch 2.13 on a CPU
         return None, "a flex-attention forward with a tree's 4-D mask aborts the process (a torch bug)"
     return None, None
@@ -234,15 +240,11 @@ def extend(
         # family) number from their padding id when given none
         position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids)
     kwargs = {"logits_to_keep": num_logits} if forward_takes(model, "logits_to_keep") else {}
-    out = model(
-        input_ids=new_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        cache=cache,
-        use_cache=True,
-        return_dict=True,
-        **kwargs,
-    )
+    if attention_mask is not None:  # (passed only when there is one: a forward of one's own may take neither)
+        kwargs.update(attention_mask=attention_mask)
+    if position_ids is not None:
+        kwargs.update(position_ids=position_ids)
+    out = model(input_ids=new_ids, cache=cache, use_cache=True, return_dict=True, **kwargs)
     if cache.get_seq_length() != past + new_ids.shape[1]:  # shapes only: no device read
         raise UnsupportedCacheError(
             f"{type(model).__name__} holds {cache.get_seq_length()} cached positions after a forward over "

@@ -213,7 +213,7 @@ class Requests:
                                      "iterator; in a list every item is a prompt")
                 prompt, budget = self._prompt(item)
             except ValueError as error:
-                self._deliver(StreamResult(self.admitted, _as_ids(item), torch.empty(0, dtype=torch.long),
+                self._deliver(StreamResult(self.admitted, _as_ids(item), torch.empty(0, dtype=torch.long, device="cpu"),
                                            AcceptanceStats(), error))
                 self.admitted += 1
                 continue
@@ -370,7 +370,7 @@ def _as_ids(item: Any) -> torch.Tensor:
             return ids.long()
     except Exception:
         pass
-    return torch.empty(0, dtype=torch.long)
+    return torch.empty(0, dtype=torch.long, device="cpu")
 
 
 def _eos_ids(eos) -> set[int]:
@@ -386,7 +386,7 @@ def _eos_ids(eos) -> set[int]:
 
 def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs) -> None:
     """`generate_continuous`'s arguments, before the first prompt is read (a streamer given is ended)."""
-    from .arguments import _is_model, check_arguments
+    from .arguments import _is_model, check_arguments, check_embeddings
 
     for name in ("streamer", "spec_streamer"):
         if generate_kwargs.get(name) is not None:
@@ -396,6 +396,7 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
                              "prompt). The streamer has been ended.")
     if not _is_model(model):  # a compiled one too
         raise ValueError(f"generate_continuous takes a transformers model (the target), got {type(model).__name__}")
+    check_embeddings(model)
     if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, numbers.Integral) or max_batch_size < 1:
         raise ValueError(f"max_batch_size must be a positive integer, got {max_batch_size!r}")
     if on_result is not None and not callable(on_result):

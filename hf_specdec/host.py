@@ -16,7 +16,7 @@ import torch
 
 def to_device(values, device: torch.device | str, dtype: torch.dtype = torch.long) -> torch.Tensor:
     """`torch.tensor(values, dtype=dtype)` on `device`; on CUDA an asynchronous copy from pinned memory."""
-    tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    tensor = values.to(dtype) if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype, device="cpu")
     if torch.device(device).type != "cuda" or tensor.device.type != "cpu":
         return tensor.to(device)
     staged = tensor.clone().pin_memory() if tensor.is_pinned() else tensor.pin_memory()  # never the caller's buffer

@@ -403,7 +403,7 @@ def emit(state: DecodeState, verdict: Verdict) -> Emission:
         state.batch.record(i, tokens[:count])
         state.outputs.add(row, verdict.target_scores[i, :count], verdict.target_logits[i, :count])
         if state.streamer is not None:
-            state.streamer.put(torch.tensor(tokens[:count]))
+            state.streamer.put(torch.tensor(tokens[:count], device="cpu"))
         counts.append(count)
         finished.append(stopped)
     if held is not None and all(row in held or done for row, done in zip(state.batch.rows, finished)):

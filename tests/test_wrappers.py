@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper
+from transformers import LlamaForCausalLM, LogitsProcessorList, TemperatureLogitsWarper
 
 import hf_specdec
 from conftest import perturbed, tiny_model
@@ -17,8 +17,8 @@ PROMPT = torch.tensor([[1, 5, 9, 12, 17, 33]])
 
 
 def spec(target, prompt=PROMPT, **kwargs):
-    return target.generate(prompt, custom_generate=hf_specdec.speculative_generate, max_new_tokens=12,
-                           do_sample=False, **kwargs)
+    kwargs = {"max_new_tokens": 12, "do_sample": False, **kwargs}
+    return target.generate(prompt, custom_generate=hf_specdec.speculative_generate, **kwargs)
 
 
 class NoRepeat(TemperatureLogitsWarper):
@@ -126,3 +126,90 @@ def test_a_peft_draft_drafts_with_its_base_model():
     plain = target.generate(PROMPT, max_new_tokens=12, do_sample=False)
     assert torch.equal(spec(target, assistant=draft), plain)
     assert torch.equal(spec(target, assistant=hf_specdec.early_exit_draft(PeftModelForCausalLM(target), 1)), plain)
+
+
+# ---------------------------------------------------------------- models of one's own (as trust_remote_code loads them)
+
+
+class LegacyMask(LlamaForCausalLM):
+    """Reads a 4-D mask as 1 = attend, as transformers' legacy `_prepare_4d_causal_attention_mask` does (many
+    hub models of their own call it); plain generate() only ever hands it a 2-D mask."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
+        if attention_mask is not None and attention_mask.dim() == 4:
+            attention_mask = torch.where(attention_mask == 0, torch.finfo(attention_mask.dtype).min, 0.0).to(attention_mask.dtype)
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                               **kwargs)
+
+
+class NoMask(LlamaForCausalLM):
+    """Takes no attention mask (and, strictly, nothing else it does not name)."""
+
+    def forward(self, input_ids=None, position_ids=None, cache=None, use_cache=None, return_dict=None):
+        return super().forward(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=use_cache)
+
+
+def own(cls, seed=3):
+    base = tiny_model("llama", vocab=64, seed=seed)
+    model = cls(base.config).eval()
+    model.load_state_dict(base.state_dict())
+    return model
+
+
+def test_a_model_of_ones_own_gets_no_tree_mask_and_no_mask_it_cannot_read():
+    """Before: a tree round handed LegacyMask a 4-D mask, which it inverted (greedy differed from plain with
+    default settings); NoMask attended to a batch's padding and holes without a word, and a strict forward
+    met position_ids=None (TypeError) on a single row."""
+    target = own(LegacyMask)
+    draft = perturbed(target, 0.02)
+    prompt = torch.tensor([[1, 5, 9, 2, 7, 3, 1, 5, 9, 2, 7, 3]])
+    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    assert torch.equal(spec(target, prompt, assistant=draft, max_new_tokens=40), plain)
+    target = own(NoMask)
+    draft = perturbed(tiny_model("llama", vocab=64, seed=3), 0.02)
+    assert torch.equal(spec(target, prompt, assistant=draft), target.generate(prompt, max_new_tokens=12, do_sample=False))
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="NoMask takes no attention mask"):
+        spec(target, prompt.repeat(2, 1), assistant=draft, attention_mask=torch.ones(2, 12, dtype=torch.long))
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="continuous batching: .*NoMask takes no attention mask"):
+        hf_specdec.generate_continuous(target, [[1, 5, 9]], assistant=draft, max_new_tokens=4)
+
+
+def test_an_attention_implementation_without_a_mask_function_is_refused():
+    """transformers builds no mask for an implementation missing from AttentionMaskInterface (one registered
+    alone, or 'paged|eager'): plain's one-token steps need none. Before: verify forwards over several tokens
+    attended past each token, and greedy differed from plain."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register("hf_specdec_test_sdpa", sdpa_attention_forward)
+    target = tiny_model("llama", vocab=64, seed=3)
+    draft = perturbed(target, 0.02)
+    target.config._attn_implementation = "hf_specdec_test_sdpa"
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="'hf_specdec_test_sdpa' has no mask function registered"):
+        spec(target, assistant=draft)
+    AttentionMaskInterface.register("hf_specdec_test_sdpa", sdpa_mask)
+    assert torch.equal(spec(target, assistant=draft), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
+
+
+def test_a_meta_default_device_and_models_without_accessors():
+    """Before: under torch.set_default_device("meta") (plain generate() runs there) a tree's host tensors were made
+    on meta (NotImplementedError); a model without get_input_embeddings met transformers' raw NotImplementedError,
+    and one without get_output_embeddings was told to load with AutoModelForCausalLM."""
+    target = tiny_model("llama", vocab=64, seed=3)
+    draft = perturbed(target, 0.02)
+    prompt = torch.tensor([[1, 5, 9, 2, 7, 3, 1, 5, 9, 2, 7, 3]])
+    plain = target.generate(prompt, max_new_tokens=24, do_sample=False)
+    torch.set_default_device("meta")
+    try:
+        out = spec(target, prompt, assistant=draft, max_new_tokens=24)
+    finally:
+        torch.set_default_device(None)
+    assert torch.equal(out, plain)
+
+    class NoAccessor(LlamaForCausalLM):
+        def get_input_embeddings(self):
+            raise NotImplementedError("`get_input_embeddings` not auto-handled")
+
+    with pytest.raises(ValueError, match=r"\(NoAccessor\) has no get_input_embeddings\(\)"):
+        spec(own(NoAccessor), assistant=draft)

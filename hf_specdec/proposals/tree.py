@@ -220,7 +220,7 @@ def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: s
 def ancestors_mask(parents: list[int]) -> torch.Tensor:  # [n, n] bool: [j, i] = node i is j or an ancestor of j
     """Which nodes each node sees in the tree attention mask (itself and its ancestors)."""
     n = len(parents)
-    seen = torch.zeros((n, n), dtype=torch.bool)
+    seen = torch.zeros((n, n), dtype=torch.bool, device="cpu")  # host-side, whatever the default device
     for j, parent in enumerate(parents):
         if parent >= j:
             raise ValueError(f"tree node {j} has parent {parent}: parents must come before their children")

@@ -120,9 +120,20 @@ def _row(cells: list[str]) -> str:
     return "| " + " | ".join(" ".join(str(c).replace("|", "\\|").split()) for c in cells) + " |"  # a category may hold |
 
 
+def summary_file(text: str) -> str:
+    """argparse type: a summary.json of run_eval's (not its records.jsonl), named in one line otherwise."""
+    try:
+        data = json.loads(Path(text).read_text())
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"{text}: not a readable summary.json ({error})") from None
+    if not isinstance(data, dict) or "summary" not in data:
+        raise argparse.ArgumentTypeError(f"{text}: not a summary.json written by evals/run_eval.py (no 'summary')")
+    return text
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("summary", help="summary.json written by evals/run_eval.py")
+    parser.add_argument("summary", type=summary_file, help="summary.json written by evals/run_eval.py")
     parser.add_argument("--methods", nargs="+", default=None, metavar="METHOD", help="the columns to show (default: all)")
     parser.add_argument("--modelled", action="store_true", help="modelled speedups instead of wall-clock ones")
     args = parser.parse_args()

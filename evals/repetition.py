@@ -62,7 +62,7 @@ sys.path.insert(0, str(HERE))
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
     HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain, with_scored,
-    cost_table_file, existing_path, out_folder, positive_int,
+    cost_table_file, out_folder, positive_int,
 )
 import costs  # noqa: E402
 from costs import CostTable, load_table, plain_work  # noqa: E402
@@ -348,6 +348,18 @@ def report(records: list[dict], runs: list[dict], table_paths: dict[str, str], c
     return "\n".join(notes + table_lines(rows, labels)) + "\n", rows
 
 
+def repetition_run(text: str) -> str:
+    """argparse type for --lookup-on: a folder this script wrote (its records.jsonl, one per call, by workload)."""
+    records = Path(text) / "records.jsonl"
+    try:
+        first = json.loads(records.open().readline() or "{}")
+    except (OSError, ValueError) as error:
+        raise argparse.ArgumentTypeError(f"{text}: no readable records.jsonl of evals/repetition.py ({error})") from None
+    if "workload" not in first:
+        raise argparse.ArgumentTypeError(f"{text}: its records.jsonl is not evals/repetition.py's (no 'workload')")
+    return text
+
+
 def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict[str, CostTable], target,
                       max_new_tokens: int) -> str:
     """A markdown table: per workload and method of `folder`'s records, the method's speedup over plain
@@ -442,7 +454,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
                              "~130-token signature and docstring, so 128 new tokens seldom reach the body) instead of "
                              "the problem's prompt continued, as the HumanEval harness does")
-    parser.add_argument("--lookup-on", type=existing_path, default=None, metavar="DIR",
+    parser.add_argument("--lookup-on", type=repetition_run, default=None, metavar="DIR",
                         help="no generation: transformers' prompt lookup priced on the outputs of DIR/records.jsonl "
                              "(its rounds are fixed by the output: evals/regimes.py lookup_work), beside each method there")
     args = parser.parse_args(argv)

@@ -672,6 +672,8 @@ def test_paired_ratios_pair_prompts_and_bootstrap_within_categories(tmp_path):
     ("run_eval", ["--threads", "100000"], "must be at most"),  # had been torch's allocation error in the tiny pair
     ("run_eval", ["--target", "./no/such/folder"], "no model folder at"),  # had been a traceback after --out was made
     ("repetition", ["--out", "x", "--draft", "./no/such/folder"], "no model folder at"),
+    ("repetition", ["--out", "x", "--lookup-on", "evals"], "no readable records.jsonl"),  # had been FileNotFoundError
+    ("repetition", ["--out", "x", "--lookup-on", "evals/results/standard"], "not evals/repetition.py's"),  # KeyError
     ("run_eval", ["--out", "README.md"], "is a file"),
     ("replay", ["--cost-table", "evals/results/standard/cost_table.json", "--out", "x", "--limit", "-1"],
      "positive integer"),  # had replayed every prompt but the last
@@ -695,6 +697,16 @@ def test_eval_scripts_name_bad_arguments_before_loading_anything(script, argv, m
     with pytest.raises(SystemExit):
         entry(argv)
     assert __import__("re").search(message, capsys.readouterr().err)
+
+
+def test_bars_names_a_file_that_is_not_a_summary(capsys):
+    """Before: records.jsonl given as the summary was a JSONDecodeError traceback."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, str(ROOT / "evals" / "bars.py"), str(ROOT / "evals/results/standard/records.jsonl")],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "not a readable summary.json" in run.stderr and "Traceback" not in run.stderr
 
 
 def test_the_tiny_pair_is_named_for_both_models_or_neither():

@@ -605,9 +605,11 @@ def _validate_rows(candidate_generator, rows: int, what: str) -> None:
 
 
 def check_embeddings(model: PreTrainedModel, who: str = "target") -> None:
-    """The accessors hf_specdec reads the vocabulary through (plain generate() needs neither)."""
+    """The accessors hf_specdec reads the vocabulary through (plain generate() needs neither): a target's
+    input embedding and head, a draft's head."""
     try:
-        embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+        head = model.get_output_embeddings()
+        embeddings = model.get_input_embeddings() if who == "target" else head
     except NotImplementedError as error:  # transformers' default for a model of one's own
         raise ValueError(f"the {who} ({type(model).__name__}) has no get_input_embeddings() ({error}): hf_specdec reads "
                          "the vocabulary through get_input_embeddings() and get_output_embeddings(); define both, as "
@@ -714,9 +716,9 @@ def _validate_peft(model: PreTrainedModel, rows_change: bool) -> None:
     hooks = [(m, key, getattr(getattr(hook, "func", hook), "__name__", ""), getattr(getattr(hook, "func", hook), "__module__", ""))
              for m in model.modules() for key, hook in m._forward_pre_hooks.items()]
     always = next((_ALWAYS[name] for _, _, name, _ in hooks if name in _ALWAYS), None)
-    per_row = rows_change and any(name in _PER_CALL or (module.startswith("peft.") and name not in _ALWAYS)
-                                  for _, _, name, module in hooks)  # Poly's task_ids hook has a name of no kind
-    if always is None and not per_row:
+    per_row = next((module for _, _, name, module in hooks if rows_change and (  # Poly's task_ids hook: a name of no kind
+        name in _PER_CALL or (module.startswith("peft.") and name not in _ALWAYS))), None)
+    if always is None and per_row is None:
         return
     for m, key, name, _ in hooks:  # removed as PEFT removes them when its call returns (not a refused call's)
         if name in _PER_CALL:
@@ -724,9 +726,10 @@ def _validate_peft(model: PreTrainedModel, rows_change: bool) -> None:
                 getattr(m, where, {}).pop(key, None)  # (the last made only once a hook asks for it)
     if always is not None:
         raise ValueError(f"the target runs {always}. Use plain generate()")
-    raise ValueError("the target runs PEFT adapters per row (adapter_names=, or Poly's task_ids=): PEFT fixes them to the "
-                     "batch's rows when the call starts, and hf_specdec's batches lose rows as they finish (and gain them "
-                     "when continuous). Generate each adapter's rows in a call of their own, without adapter_names")
+    raise ValueError(f"the target runs PEFT adapters per row or per call (hooks of {per_row}: adapter_names=, Poly's "
+                     "task_ids=, X-LoRA): PEFT fixes them to the batch's rows when the call starts, and hf_specdec's "
+                     "batches lose rows as they finish (and gain them when continuous). Generate each adapter's rows in "
+                     "a call of their own, without adapter_names, or one row at a time")
 
 
 def padding_rows(target_vocab: int, draft_vocab: int) -> bool:

@@ -107,7 +107,8 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
     if not forward_takes(model, "attention_mask"):
         why = f"{type(model).__name__} takes no attention mask: it attends to padding and holes"
         return why, why
-    if not type(getattr(model, "_orig_mod", model)).__module__.startswith("transformers."):
+    own = type(getattr(model, "_orig_mod", model))  # the class whose forward runs: a subclass may only add methods
+    if not next((c for c in own.__mro__ if "forward" in vars(c)), own).__module__.startswith("transformers."):
         return None, (f"{type(model).__name__} is not a model of transformers', which take a 4-D mask as given (a model "
                       "of one's own may read it as a 2-D one, as transformers' legacy mask helper does)")
     if getattr(config, "_attn_implementation", None) == "flex_attention":  # seen with torch 2.13 on a CPU

@@ -213,7 +213,8 @@ class Requests:
                                      "iterator; in a list every item is a prompt")
                 prompt, budget = self._prompt(item)
             except ValueError as error:
-                self._deliver(StreamResult(self.admitted, _as_ids(item), torch.empty(0, dtype=torch.long, device="cpu"),
+                shown = _as_ids(item)  # its tokens on the prompt's device, as a served result's
+                self._deliver(StreamResult(self.admitted, shown, torch.empty(0, dtype=torch.long, device=shown.device),
                                            AcceptanceStats(), error))
                 self.admitted += 1
                 continue

@@ -142,6 +142,11 @@ class LegacyMask(LlamaForCausalLM):
                                **kwargs)
 
 
+class WithMethods(LlamaForCausalLM):
+    def describe(self):
+        return "a subclass that adds a method"
+
+
 class NoMask(LlamaForCausalLM):
     """Takes no attention mask (and, strictly, nothing else it does not name)."""
 
@@ -160,11 +165,14 @@ def test_a_model_of_ones_own_gets_no_tree_mask_and_no_mask_it_cannot_read():
     """Before: a tree round handed LegacyMask a 4-D mask, which it inverted (greedy differed from plain with
     default settings); NoMask attended to a batch's padding and holes without a word, and a strict forward
     met position_ids=None (TypeError) on a single row."""
-    target = own(LegacyMask)
-    draft = perturbed(target, 0.02)
     prompt = torch.tensor([[1, 5, 9, 2, 7, 3, 1, 5, 9, 2, 7, 3]])
-    plain = target.generate(prompt, max_new_tokens=40, do_sample=False)
-    assert torch.equal(spec(target, prompt, assistant=draft, max_new_tokens=40), plain)
+    for cls, trees in ((LegacyMask, False), (WithMethods, True)):  # a subclass that keeps transformers' forward keeps trees
+        target = own(cls)
+        records = []
+        out = spec(target, prompt, assistant=perturbed(target, 0.02), max_new_tokens=40, acceptance_sink=records.append,
+                   costs=hf_specdec.Costs(draft_step=0.2, verify=0.05))  # pinned: rounds that draft, trees among them
+        assert torch.equal(out, target.generate(prompt, max_new_tokens=40, do_sample=False))
+        assert any(r.parents is not None for r in records) == trees
     target = own(NoMask)
     draft = perturbed(tiny_model("llama", vocab=64, seed=3), 0.02)
     assert torch.equal(spec(target, prompt, assistant=draft), target.generate(prompt, max_new_tokens=12, do_sample=False))
@@ -207,9 +215,13 @@ def test_a_meta_default_device_and_models_without_accessors():
         torch.set_default_device(None)
     assert torch.equal(out, plain)
 
-    class NoAccessor(LlamaForCausalLM):
+    class NoAccessor(LlamaForCausalLM):  # a head, no input embedding: refused as a target, a draft reads its head only
         def get_input_embeddings(self):
             raise NotImplementedError("`get_input_embeddings` not auto-handled")
 
+        def get_output_embeddings(self):
+            return self.lm_head
+
     with pytest.raises(ValueError, match=r"\(NoAccessor\) has no get_input_embeddings\(\)"):
         spec(own(NoAccessor), assistant=draft)
+    assert torch.equal(spec(target, assistant=own(NoAccessor)), target.generate(PROMPT, max_new_tokens=12, do_sample=False))

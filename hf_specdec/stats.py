@@ -174,10 +174,14 @@ def open_sink(sink: AcceptanceSink | None) -> tuple[Callable[[RoundRecord], None
     except OSError as error:  # a missing folder, a directory, no permission
         raise ValueError(f"acceptance_sink: cannot append to {os.fspath(sink)!r}: {error.strerror or error}") from error
 
-    def write(record: RoundRecord) -> None:
-        handle.write(json.dumps(record.to_dict()) + "\n")
+    def named(action: Callable[[], None]) -> None:  # a full disk shows at a write or at close: name the sink
+        try:
+            action()
+        except OSError as error:
+            raise OSError(error.errno, f"acceptance_sink: cannot write the round records to {os.fspath(sink)!r}: "
+                                       f"{error.strerror or error}") from error
 
-    return write, handle.close
+    return (lambda record: named(lambda: handle.write(json.dumps(record.to_dict()) + "\n"))), lambda: named(handle.close)
 
 
 def geometric_tokens_per_round(acceptance: float, k: int) -> float:

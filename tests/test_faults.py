@@ -8,6 +8,7 @@ import dataclasses
 import hashlib
 import inspect
 import json
+import os
 import pickle
 import subprocess
 import sys
@@ -1042,3 +1043,35 @@ def test_a_direct_call_inside_another_generate_call_leaves_its_streamer_alone(mo
     target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4, do_sample=False, streamer=Streamer(),
                     stopping_criteria=StoppingCriteriaList([Nest()]))
     assert len(nested) == 1 and len(ends) == 1
+
+
+def test_a_drafter_used_by_a_call_made_inside_its_own_call_is_refused():
+    """Before: a DraftModelDrafter refused only a call in another thread. A call made from the sink of a call
+    holding it (same thread) reset its draft cache, and the outer call failed with 'asked for 1 logits but only
+    0 tokens are new'."""
+    from hf_specdec.proposals import DraftModelDrafter
+
+    target = tiny_model(vocab=64, seed=3)
+    drafter = DraftModelDrafter(perturbed(target, 0.02), None, do_sample=False, vocab=64)
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, candidate_generator=drafter, do_sample=False)
+    refused = []
+
+    def sink(record):
+        if record.round == 2:
+            with pytest.raises(ValueError, match=r"in use by a call in this thread \(a call made inside another"):
+                target.generate(torch.tensor([[4, 5, 6, 7]]), max_new_tokens=4, **kwargs)
+            refused.append(True)
+
+    out = target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, acceptance_sink=sink, **kwargs)
+    assert refused and torch.equal(out, target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, do_sample=False))
+    assert torch.equal(target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=12, **kwargs), out)  # released
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full (a device that is always full)")
+def test_a_sink_file_that_cannot_be_written_is_named():
+    """Before: a sink path that opens but cannot be written (a full disk) failed at close with a bare OSError
+    naming neither the sink nor its path."""
+    target = tiny_model(vocab=64, seed=3)
+    with pytest.raises(OSError, match="acceptance_sink: cannot write the round records to '/dev/full'"):
+        target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate,
+                        assistant=perturbed(target, 0.02), max_new_tokens=12, do_sample=False, acceptance_sink="/dev/full")

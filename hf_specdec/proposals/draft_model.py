@@ -95,10 +95,11 @@ class DraftModelDrafter(Drafter):
         """Per-call state lives on the drafter (its cache above all): one call at a time, the others refused."""
         with _CLAIMS:
             user, me = self._user and self._user(), threading.current_thread()
-            if user is not None and user is not me and user.is_alive():
-                raise ValueError(f"this {type(self).__name__} is in use by a call in another thread ({user.name}): it "
-                                 "keeps the call's draft cache, so concurrent calls need one each (or pass "
-                                 "assistant=draft, which makes one per call)")
+            if user is not None and user.is_alive():  # released when a call ends, however it ends
+                where = f"another thread ({user.name})" if user is not me else ("this thread (a call made inside another, "
+                                                                              "from its sink, streamer or criteria)")
+                raise ValueError(f"this {type(self).__name__} is in use by a call in {where}: it keeps the call's draft "
+                                 "cache, so concurrent calls need one each (or pass assistant=draft, which makes one per call)")
             self._fresh(batch_size)
             self._user = weakref.ref(me)  # claimed once started: a start that failed claims nothing
 

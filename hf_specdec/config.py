@@ -62,6 +62,8 @@ class Costs:
 
     def __post_init__(self) -> None:
         _check_number("draft_step", self.draft_step)
+        if getattr(self.verify, "ndim", None) == 1:  # a numpy array or a tensor of prices: the list it holds
+            object.__setattr__(self, "verify", self.verify.tolist())
         if isinstance(self.verify, (list, tuple)):
             values = tuple(self.verify)
             for value in values:
@@ -155,8 +157,11 @@ class SpeculativeConfig:
             raise ValueError(f"ngram_min_size must be at most {NGRAM_MAX_SIZE} (the longest n-gram a lookup matches), "
                              f"got {self.ngram_min_size}")
         for name in ("adaptive", "ngram", "tree"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            value = getattr(self, name)
+            if _numpy_bool(value):  # a sweep's value, kept as the bool it is
+                object.__setattr__(self, name, bool(value))
+            elif not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
         window = self.draft_window
         if window is not None and window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ValueError(f"draft_window must be a positive integer, None or 'auto', got {window!r}")
@@ -185,12 +190,18 @@ def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> No
         raise ValueError(f"{name} must be {kind}{'' if maximum is None else f' of at most {maximum}'}, got {value!r}")
 
 
-def check_planner(max_draft, rows, costs) -> tuple[int, int]:
+def check_planner(max_draft, rows, costs, adaptive=True) -> tuple[int, int]:
     """`Planner`'s arguments checked by name; numpy integers (a sweep's values) taken as the ints they are."""
+    if not isinstance(adaptive, bool) and not _numpy_bool(adaptive):
+        raise ValueError(f"Planner's adaptive must be True or False, got {adaptive!r}")
     max_draft, rows = as_int(max_draft), as_int(rows)
     _check_int("Planner's max_draft", max_draft, 1, MAX_DRAFT_TOKENS), _check_int("Planner's rows", rows, 1)
     _check_costs("Planner's costs", costs)
     return max_draft, rows
+
+
+def _numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool", "bool_")  # numpy 2 and 1
 
 
 def _check_costs(name: str, value) -> None:

@@ -43,6 +43,7 @@ from .config import _check_int, as_int
 from .self_draft import decoder_layers
 
 DIVERGENCES = ("fkl", "tv")
+MIN_TEMPERATURE = 1e-4
 CONTEXT = 256  # the default context, capped at what the models' positions hold beside new_tokens
 
 
@@ -69,9 +70,13 @@ class DistillConfig:
                     or positive and value == 0:
                 raise ValueError(f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
             object.__setattr__(self, name, float(value))
+        if self.temperature < MIN_TEMPERATURE:  # logits / T overflow to inf, and sampling fails at the first step
+            raise ValueError(f"temperature must be at least {MIN_TEMPERATURE}, got {self.temperature!r}")
         for name in ("new_tokens", "context", "steps", "checkpoint_every", "seed"):
             object.__setattr__(self, name, as_int(getattr(self, name)))
             _check_int(name, getattr(self, name), 0 if name == "seed" else 1)
+        if self.seed >= 2 ** 32:  # each step seeds torch with seed * 1_000_003 + step, which must fit 64 bits
+            raise ValueError(f"seed must be below 2**32, got {self.seed}")
         if self.train_layers is not None:
             given = self.train_layers
             layers = tuple(map(as_int, given)) if isinstance(given, (tuple, list, range)) else ()
@@ -84,14 +89,24 @@ class DistillConfig:
 def divergence(target_logits: torch.Tensor, draft_logits: torch.Tensor, kind: str, temperature: float = 1.0) -> torch.Tensor:
     """Mean over positions of the divergence between p = softmax(target / T) and q = softmax(draft / T);
     logits [..., vocab]. Gradients flow into the draft's side only."""
+    for name, logits in (("target_logits", target_logits), ("draft_logits", draft_logits)):
+        if not isinstance(logits, torch.Tensor) or logits.dim() < 1 or not logits.numel():
+            raise ValueError(f"{name} must be a non-empty tensor [..., vocab], got "
+                             f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if target_logits.shape != draft_logits.shape:  # broadcasting would average other pairs, or a vocabulary of one
+        raise ValueError(f"target and draft logits must have one shape, got {tuple(target_logits.shape)} and "
+                         f"{tuple(draft_logits.shape)}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) \
+            or temperature < MIN_TEMPERATURE:
+        raise ValueError(f"temperature must be a finite number >= {MIN_TEMPERATURE}, got {temperature!r}")
+    if kind not in DIVERGENCES:
+        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
     log_p = torch.log_softmax(target_logits.detach().float() / temperature, dim=-1)
     log_q = torch.log_softmax(draft_logits.float() / temperature, dim=-1)
-    if kind == "fkl":
-        per_position = (log_p.exp() * (log_p - log_q)).sum(-1)
-    elif kind == "tv":
-        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
+    if kind == "fkl":  # a token the target rules out (p = 0, a -inf logit) adds nothing, not 0 x inf
+        per_position = torch.where(log_p > -math.inf, log_p.exp() * (log_p - log_q), 0.0).sum(-1)
     else:
-        raise ValueError(f"divergence must be one of {DIVERGENCES}, got {kind!r}")
+        per_position = 0.5 * (log_p.exp() - log_q.exp()).abs().sum(-1)
     return per_position.mean()
 
 
@@ -155,6 +170,17 @@ def _train_layers(config: DistillConfig, count: int) -> tuple[int, ...]:
     return tuple(sorted(set(config.train_layers)))
 
 
+def _check_folder(folder: Path) -> None:
+    """The checkpoint folder made (or found) and writable now, not after `checkpoint_every` steps of training."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".hf_specdec_write_check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as error:
+        raise ValueError(f"the checkpoint folder {folder} cannot be written: {error.strerror or error}") from None
+
+
 @contextmanager
 def _eval_mode(*models):
     """Every module of `models` in eval mode (no dropout), then back in the mode it had."""
@@ -187,6 +213,9 @@ class Distiller:
         _, _, layers = decoder_layers(draft)
         self.trained_layers = _train_layers(config, len(layers))
         self.target, self.config, self.folder = target, config, Path(folder)
+        trained = {id(p) for i in self.trained_layers for p in layers[i].parameters()}
+        saved = self._read_checkpoint({name: tuple(p.shape) for name, p in draft.named_parameters() if id(p) in trained})
+        _check_folder(self.folder)  # every check before the draft changes: a refused Distiller leaves it as it was
         self.dtype = draft.dtype
         self.draft = draft.float()
         self.draft.requires_grad_(False)
@@ -197,7 +226,8 @@ class Distiller:
         self.step_count = 0
         self.losses: list[float] = []
         self.seconds = 0.0  # training time so far, over every run that resumed this one
-        self._resume()
+        if saved is not None:
+            self._resume(*saved)
 
     @property
     def checkpoint_path(self) -> Path:
@@ -207,33 +237,52 @@ class Distiller:
     def progress_path(self) -> Path:
         return self.folder / "checkpoint.json"  # everything else: settings, step, losses, seconds
 
-    def _resume(self) -> None:
-        """Picks up a checkpoint: tensors through `torch.load(weights_only=True)` (a crafted file cannot
-        run code), the rest from JSON; the two must agree on the step."""
+    def _settings(self) -> dict:
+        """The settings a checkpoint records, the layers trained as resolved (None, a list and a tuple alike)."""
+        return _json_ready({**asdict(self.config), "train_layers": list(self.trained_layers)})
+
+    def _read_checkpoint(self, shapes: dict[str, tuple[int, ...]]) -> tuple[dict, dict] | None:
+        """(tensors, progress) of a checkpoint in the folder, checked against these settings and the trained
+        parameters' shapes; None where there is none. Tensors through `torch.load(weights_only=True)` (a crafted
+        file cannot run code), the rest from JSON; the two must agree on the step."""
         if not self.checkpoint_path.exists():
-            return
+            return None
         if not self.progress_path.exists():
             raise ValueError(f"{self.checkpoint_path} has no {self.progress_path.name} beside it (written by an older "
                              "hf_specdec, or an interrupted save): use another folder or remove the checkpoint")
-        progress = json.loads(self.progress_path.read_text())
-        mine, theirs = _resumable(_json_ready(asdict(self.config))), _resumable(progress["config"])
-        if mine != theirs:
-            raise ValueError(f"{self.checkpoint_path} was written with other settings: {theirs}; "
-                             "use another folder or the same settings (only steps and checkpoint_every may change)")
-        state = torch.load(self.checkpoint_path, weights_only=True)
-        theirs = {name: tuple(t.shape) for name, t in state["params"].items()}
-        mine = {name: tuple(p.shape) for name, p in self.params.items()}
-        if theirs != mine:
-            only = sorted(set(theirs) - set(mine)), sorted(set(mine) - set(theirs))
-            shape = sorted(n for n in mine if n in theirs and mine[n] != theirs[n])
+        try:
+            progress = json.loads(self.progress_path.read_text())
+            theirs = _resumable(progress["config"])
+            state = torch.load(self.checkpoint_path, weights_only=True)
+            saved = {name: tuple(t.shape) for name, t in state["params"].items()}
+            steps = (int(state["step"]), progress["step"])
+        except Exception as error:  # not torch's advice to load with weights_only=False: that would run the file
+            raise ValueError(f"{self.folder}: checkpoint.pt and checkpoint.json are not a checkpoint hf_specdec wrote "
+                             f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}): use "
+                             "another folder or remove both files") from None
+        if saved != shapes:
+            only = sorted(set(saved) - set(shapes)), sorted(set(shapes) - set(saved))
+            shape = sorted(n for n in shapes if n in saved and shapes[n] != saved[n])
             detail = (f"it holds {only[0][0]}, which this draft does not train" if only[0] else
                       f"this draft trains {only[1][0]}, which it lacks" if only[1] else
-                      f"{shape[0]} is {list(theirs[shape[0]])} there, {list(mine[shape[0]])} here")
+                      f"{shape[0]} is {list(saved[shape[0]])} there, {list(shapes[shape[0]])} here")
             raise ValueError(f"{self.checkpoint_path} was written for another draft ({detail}): use another folder "
                              "or the draft it was written for")
-        if int(state["step"]) != progress["step"]:
-            raise ValueError(f"{self.folder}: checkpoint.pt is at step {int(state['step'])} and checkpoint.json at "
-                             f"{progress['step']} (an interrupted save): use another folder or remove both files")
+        # the layers trained agree when the trained tensors' names do (above): None, (1, 2) and [2, 1] alike
+        mine, theirs = _resumable(self._settings()), {k: v for k, v in theirs.items() if k != "train_layers"}
+        mine.pop("train_layers")
+        if mine != theirs:
+            differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+            raise ValueError(f"{self.checkpoint_path} was written with other settings ("
+                             + ", ".join(f"{k}: {theirs.get(k)!r} there, {mine.get(k)!r} here" for k in differ)
+                             + "): use another folder or the same settings (only steps and checkpoint_every may change)")
+        if steps[0] != steps[1]:
+            raise ValueError(f"{self.folder}: checkpoint.pt is at step {steps[0]} and checkpoint.json at {steps[1]} "
+                             "(an interrupted save): use another folder or remove both files")
+        return state, progress
+
+    def _resume(self, state: dict, progress: dict) -> None:
+        """Picks up the checkpoint `_read_checkpoint` read and checked."""
         with torch.no_grad():
             for name, tensor in state["params"].items():
                 self.params[name].copy_(tensor)
@@ -246,8 +295,7 @@ class Distiller:
         self.folder.mkdir(parents=True, exist_ok=True)
         tensors = dict(step=torch.tensor(self.step_count), optimizer=self.optimizer.state_dict(),
                        params={name: p.detach().clone() for name, p in self.params.items()})
-        progress = dict(config=_json_ready(asdict(self.config)), step=self.step_count, losses=self.losses,
-                        seconds=self.seconds)
+        progress = dict(config=self._settings(), step=self.step_count, losses=self.losses, seconds=self.seconds)
         tmp = self.checkpoint_path.with_suffix(".tmp")
         torch.save(tensors, tmp)
         tmp_json = self.progress_path.with_suffix(".json.tmp")
@@ -329,9 +377,13 @@ class Distiller:
         """The trained draft as a model folder, in its original dtype (the training copy stays float32)."""
         folder = Path(folder)
         trained = {name: p.detach().clone() for name, p in self.draft.state_dict().items()}
+        buffers = {name: b.detach().clone() for name, b in self.draft.named_buffers()}  # RoPE's too (not in state_dict)
         self.draft.to(self.dtype).save_pretrained(folder)
-        with torch.no_grad():  # back to the float32 master weights
+        with torch.no_grad():  # back to the float32 master weights, and every buffer as it was (no bf16 round trip)
             self.draft.float().load_state_dict(trained)
+            for name, buffer in buffers.items():
+                module, _, attribute = name.rpartition(".")
+                setattr(self.draft.get_submodule(module), attribute, buffer)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         return folder

@@ -241,8 +241,8 @@ class Planner:
     """Plans each round of one generate call (see the module docstring)."""
 
     def __init__(self, max_draft: int, adaptive: bool = True, costs: Costs | None = None, rows: int = 1, lazy: bool = False):
-        max_draft, rows = check_planner(max_draft, rows, costs)
-        self.max_draft, self.adaptive = max_draft, adaptive
+        max_draft, rows = check_planner(max_draft, rows, costs, adaptive)
+        self.max_draft, self.adaptive = max_draft, bool(adaptive)
         self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)
         self.without_draft = 0  # rounds since the draft model last ran

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Union
@@ -87,9 +89,12 @@ class AcceptanceStats:
     def record(self, num_drafted: int, num_accepted: int, num_emitted: int, num_reached: int | None = None) -> None:
         """Count one row's round. `num_reached`: the positions the rule looked at, where not every position up
         to the first rejection had a token (a tree whose accepted branch ends early)."""
-        if not 0 <= num_accepted <= num_drafted or num_emitted < 0:  # (a stop may cut what it emits below what it kept)
-            raise ValueError(f"a round accepts 0 to the tokens it drafted and emits 0 or more: drafted {num_drafted}, "
-                             f"accepted {num_accepted}, emitted {num_emitted}")
+        counts = (num_drafted, num_accepted, num_emitted, num_accepted if num_reached is None else num_reached)
+        if any(isinstance(n, bool) or not isinstance(n, numbers.Integral) for n in counts) or not (
+                0 <= num_accepted <= counts[3] <= num_drafted and num_emitted >= 0):  # (a stop may cut the emitted)
+            raise ValueError(f"a round's counts are integers with 0 <= accepted <= reached <= drafted and emitted >= 0 "
+                             f"(checked before any is counted): drafted {num_drafted!r}, accepted {num_accepted!r}, "
+                             f"reached {num_reached!r}, emitted {num_emitted!r}")
         self.drafted += num_drafted
         self.accepted += num_accepted
         self.emitted += num_emitted
@@ -142,10 +147,19 @@ class AcceptanceStats:
     def from_dict(cls, data: dict[str, Any]) -> "AcceptanceStats":
         """The counters `to_dict` wrote (say, read back from JSON); its derived rates are recomputed, not read."""
         names = {f.name for f in fields(cls)}
+        if not isinstance(data, dict):
+            raise ValueError(f"AcceptanceStats.from_dict takes the dict to_dict writes, got {type(data).__name__}")
         unknown = set(data) - set(cls().to_dict())  # its counters and derived rates
         if unknown:
             raise ValueError(f"AcceptanceStats.from_dict: unknown fields {sorted(unknown)}; it reads what to_dict writes")
-        return cls(**{name: list(value) if isinstance(value, list) else value for name, value in data.items() if name in names})
+        kept = {name: list(value) if isinstance(value, list) else value for name, value in data.items() if name in names}
+        for name, value in kept.items():  # counts: integers >= 0; seconds: finite numbers >= 0
+            for v in value if isinstance(value, list) else [value]:
+                whole = not name.endswith("seconds")
+                if isinstance(v, bool) or not isinstance(v, numbers.Integral if whole else numbers.Real) or not 0 <= v < math.inf:
+                    raise ValueError(f"AcceptanceStats.from_dict: {name} must hold {'integers' if whole else 'numbers'} "
+                                     f">= 0, got {value!r}")
+        return cls(**kept)
 
     def merge(self, other: "AcceptanceStats") -> "AcceptanceStats":
         """Sum of two sets of counters (e.g. over prompts)."""
@@ -194,6 +208,8 @@ def geometric_tokens_per_round(acceptance: float, k: int) -> float:
     (`AcceptanceStats.token_acceptance`, accepted / reached), not accepted / drafted, which is tied
     to tokens per round by an identity and would make a comparison with this law circular.
     """
+    if isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 0 or not 0 <= acceptance <= 1:  # NaN too
+        raise ValueError(f"the geometric law takes an acceptance in [0, 1] and k >= 0 draft tokens, got {acceptance!r}, {k!r}")
     if acceptance >= 1:
         return k + 1.0
     return (1 - acceptance ** (k + 1)) / (1 - acceptance)

@@ -316,3 +316,53 @@ def test_modes_are_restored_and_dropout_does_not_draw_from_the_global_rng(tmp_pa
         assert all(m.training == training for m in draft.modules())
         assert torch.equal(torch.random.get_rng_state(), rng)  # nothing drew from the caller's RNG
     assert runs[0] == runs[1] == runs[2]  # as the draft in eval mode trains
+
+
+def test_divergence_and_settings_name_what_would_be_wrong():
+    """Before: logits of different shapes broadcast (a KL of -1.23 from a [3, 1] draft), a temperature of -1
+    distilled the negated logits, forward KL was NaN wherever the target has a -inf logit (even of a model
+    against itself), and a temperature of 1e-40 or a seed of 2**62 were taken, then failed at the first step."""
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 8, generator=g), torch.randn(3, 8, generator=g)
+    for draft in (b[:, :1], b[:1]):
+        with pytest.raises(ValueError, match="must have one shape"):
+            divergence(a, draft, "fkl")
+    for temperature in (-1.0, 0.0, float("inf"), 1e-40):
+        with pytest.raises(ValueError, match="temperature must be a finite number >= 0.0001"):
+            divergence(a, b, "fkl", temperature)
+    masked = a.clone()
+    masked[:, 3] = -float("inf")
+    assert divergence(masked, masked, "fkl").item() == 0.0
+    assert divergence(masked, b, "fkl").item() > 0 and divergence(masked, b, "tv").item() > 0
+    with pytest.raises(ValueError, match="temperature must be at least"):
+        DistillConfig(temperature=1e-40)
+    with pytest.raises(ValueError, match="seed must be below 2\\*\\*32"):
+        DistillConfig(seed=2 ** 62)
+
+
+def test_a_refused_distiller_leaves_the_draft_and_a_saved_one_keeps_its_buffers(tmp_path):
+    """Before: a Distiller refused for its folder had already cast the draft to float32 and frozen it; a folder
+    that cannot be written was found after checkpoint_every steps; a damaged checkpoint gave a raw JSON or
+    pickle error (with torch's advice to load it with weights_only=False); train_layers=None against a
+    checkpoint of the same layers given as (1, 2) was 'other settings'; save_draft of a bf16 draft rounded its
+    RoPE frequencies (not in the state dict) through bf16 for good."""
+    target, _ = make_pair()
+    config = DistillConfig(steps=1, lr=1e-3, new_tokens=4)
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "bad" / "checkpoint.json").write_text("{}")
+    draft = make_pair()[1]
+    frequencies = draft.model.rotary_emb.inv_freq.clone()  # float32, as from_pretrained(dtype=bfloat16) keeps them
+    draft.to(torch.bfloat16).model.rotary_emb.inv_freq = frequencies.clone()
+    with pytest.raises(ValueError, match="are not a checkpoint hf_specdec wrote"):
+        Distiller(target, draft, config, tmp_path / "bad")
+    assert draft.dtype == torch.bfloat16 and all(p.requires_grad for p in draft.parameters())
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="cannot be written"):
+        Distiller(target, draft, config, tmp_path / "file")
+    Distiller(target, make_pair()[1], DistillConfig(steps=1, lr=1e-3, new_tokens=4, train_layers=(1, 2)),
+              tmp_path / "run").train(PROMPTS, progress=False)
+    assert Distiller(target, make_pair()[1], DistillConfig(steps=2, lr=1e-3, new_tokens=4), tmp_path / "run").step_count == 1
+    distiller = Distiller(target, draft, config, tmp_path / "bf16")
+    distiller.save_draft(tmp_path / "saved")
+    assert torch.equal(distiller.draft.model.rotary_emb.inv_freq, frequencies)

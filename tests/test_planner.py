@@ -596,3 +596,17 @@ def test_planner_arguments_are_checked_by_name():
         with pytest.raises(ValueError, match=name):  # each was taken and failed later, or priced nothing
             Planner(**bad)
     assert Planner(np.int64(8), rows=np.int64(2)).rows == 2  # a sweep's numpy values
+
+
+def test_numpy_settings_are_taken_and_a_planners_adaptive_is_checked():
+    """Before: Costs(verify=np.array([...])) was told 'verify must be a finite number' (a list works),
+    SpeculativeConfig(adaptive=np.True_) was refused though numpy integers are taken, and Planner(adaptive="no")
+    was taken as true."""
+    from hf_specdec import Planner, SpeculativeConfig
+
+    curve = [1.0, 1.1, 1.3]
+    assert Costs(draft_step=0.2, verify=np.array(curve)).verify == tuple(curve)
+    assert Costs(draft_step=0.2, verify=torch.tensor(curve, dtype=torch.float64)).verify == tuple(curve)
+    assert SpeculativeConfig(adaptive=np.True_, tree=np.False_).adaptive is True
+    with pytest.raises(ValueError, match="Planner's adaptive must be True or False"):
+        Planner(4, adaptive="no")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -436,7 +437,23 @@ def test_acceptance_counts_refuse_more_accepted_than_drafted():
     from hf_specdec import AcceptanceStats
 
     stats = AcceptanceStats()
-    with pytest.raises(ValueError, match="accepts 0 to the tokens it drafted"):
+    with pytest.raises(ValueError, match="0 <= accepted <= reached <= drafted"):
         stats.record(2, 5, 6)
     stats.record(3, 1, 1)  # a stop may cut the emitted tokens below the kept ones
     assert (stats.drafted, stats.accepted, stats.drafted_per_position) == (3, 1, [1, 1, 1])
+    # Before: a float count or a reach past the draft failed after the totals moved; a reach below the accepted
+    # gave token_acceptance 1.5; from_dict took negative counts and named a list's items as unknown fields
+    for args in ((3.0, 1, 2), (2, 0, 1, 5), (3, 3, 3, 0)):
+        with pytest.raises(ValueError, match="checked before any is counted"):
+            stats.record(*args)
+    assert (stats.drafted, stats.accepted, stats.drafted_per_position) == (3, 1, [1, 1, 1])
+    with pytest.raises(ValueError, match="drafted must hold integers >= 0"):
+        AcceptanceStats.from_dict({**stats.to_dict(), "drafted": -4})
+    with pytest.raises(ValueError, match="takes the dict to_dict writes"):
+        AcceptanceStats.from_dict([1, 2])
+    assert AcceptanceStats.from_dict(json.loads(json.dumps(stats.to_dict()))) == stats
+    from hf_specdec.stats import geometric_tokens_per_round
+
+    for a, k in ((-0.5, 3), (0.5, -1), (float("nan"), 3)):
+        with pytest.raises(ValueError, match="the geometric law takes"):
+            geometric_tokens_per_round(a, k)

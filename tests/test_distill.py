@@ -74,10 +74,10 @@ def test_a_draft_with_padding_rows_is_distilled_on_the_rows_both_score(tmp_path,
     assert not (tmp_path / "again" / "checkpoint.pt").exists()
 
 
-def test_untrained_layers_stay_and_the_divergence_is_zero_for_the_target_itself():
+def test_untrained_layers_stay_and_the_divergence_is_zero_for_the_target_itself(tmp_path):
     target, draft = make_pair()
     original = copy.deepcopy(draft)
-    distiller = Distiller(target, draft, DistillConfig(steps=2, lr=1e-2, new_tokens=4, train_layers=(2,)), "unused")
+    distiller = Distiller(target, draft, DistillConfig(steps=2, lr=1e-2, new_tokens=4, train_layers=(2,)), tmp_path)
     distiller.step(PROMPTS[0])
     trained = dict(distiller.draft.named_parameters())
     for name, param in original.named_parameters():

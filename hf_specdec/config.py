@@ -192,7 +192,7 @@ def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> No
 
 def check_planner(max_draft, rows, costs, adaptive=True) -> tuple[int, int]:
     """`Planner`'s arguments checked by name; numpy integers (a sweep's values) taken as the ints they are."""
-    if not isinstance(adaptive, bool) and not _numpy_bool(adaptive):
+    if not isinstance(adaptive, bool) and not _numpy_bool(adaptive) and not (type(adaptive) is int and adaptive in (0, 1)):
         raise ValueError(f"Planner's adaptive must be True or False, got {adaptive!r}")
     max_draft, rows = as_int(max_draft), as_int(rows)
     _check_int("Planner's max_draft", max_draft, 1, MAX_DRAFT_TOKENS), _check_int("Planner's rows", rows, 1)

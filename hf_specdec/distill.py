@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -174,9 +175,8 @@ def _check_folder(folder: Path) -> None:
     """The checkpoint folder made (or found) and writable now, not after `checkpoint_every` steps of training."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".hf_specdec_write_check"
-        probe.write_text("")
-        probe.unlink()
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".hf_specdec_write_check"):
+            pass
     except OSError as error:
         raise ValueError(f"the checkpoint folder {folder} cannot be written: {error.strerror or error}") from None
 
@@ -214,8 +214,8 @@ class Distiller:
         self.trained_layers = _train_layers(config, len(layers))
         self.target, self.config, self.folder = target, config, Path(folder)
         trained = {id(p) for i in self.trained_layers for p in layers[i].parameters()}
+        # every check before the draft changes: a refused Distiller leaves it as it was
         saved = self._read_checkpoint({name: tuple(p.shape) for name, p in draft.named_parameters() if id(p) in trained})
-        _check_folder(self.folder)  # every check before the draft changes: a refused Distiller leaves it as it was
         self.dtype = draft.dtype
         self.draft = draft.float()
         self.draft.requires_grad_(False)
@@ -253,7 +253,7 @@ class Distiller:
         try:
             progress = json.loads(self.progress_path.read_text())
             theirs = _resumable(progress["config"])
-            state = torch.load(self.checkpoint_path, weights_only=True)
+            state = torch.load(self.checkpoint_path, weights_only=True, map_location="cpu")  # a GPU's too
             saved = {name: tuple(t.shape) for name, t in state["params"].items()}
             steps = (int(state["step"]), progress["step"])
         except Exception as error:  # not torch's advice to load with weights_only=False: that would run the file
@@ -359,6 +359,8 @@ class Distiller:
             raise ValueError(f"train takes a non-empty list of prompts (lists of token ids), got {prompts!r:.80}")
         for prompt in prompts:  # before any step: a bad prompt stops nothing part-way
             self.check_prompt(prompt)
+        if self.step_count < self.config.steps:  # checkpoints to write: a folder that cannot take them, named now
+            _check_folder(self.folder)
         order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(self.config.seed)).tolist()
 
         bar = tqdm(total=self.config.steps, initial=self.step_count, disable=not progress, desc="distil")

@@ -13,6 +13,7 @@ plain sampling from the target (greedy: token for token identical to plain greed
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -235,9 +236,7 @@ def _start(
     rows, vocab = input_ids.shape[0], model.get_output_embeddings().weight.shape[0]
     drafter, foreign = _drafter(config, assistant, candidate_generator, logits_processor, generation_config,
                                 generator, input_ids, vocab)
-    drafter.start(rows)
-    if (inner := inner_drafter(candidate_generator)) is not None:
-        inner.vocab = vocab  # once this call holds it: not under a call in another thread
+    _start_drafter(drafter, inner_drafter(candidate_generator), rows, vocab)
     try:  # a failure below must not leave the drafter claimed by this call
         # A foreign generator is used as it is, every round; our drafters take part in the planner.
         planner = Planner(config.num_draft_tokens, config.adaptive and not foreign, config.costs, rows,
@@ -285,6 +284,20 @@ def _start(
     except BaseException:
         drafter.finish()
         raise
+
+
+def _start_drafter(drafter: Drafter, inner: DraftModelDrafter | None, rows: int, vocab: int) -> None:
+    """`drafter.start`; a start that claimed the user's drafter and then raised (a subclass refusing after
+    `super().start()`) releases it (a start refused because another call holds it claimed nothing)."""
+    free = inner is None or inner.holder() is None
+    try:
+        drafter.start(rows)
+    except BaseException:
+        if free and inner is not None and inner.holder() is threading.current_thread():
+            inner.finish()
+        raise
+    if inner is not None:
+        inner.vocab = vocab  # once this call holds it: not under a call in another thread
 
 
 def _drafter(

@@ -343,7 +343,7 @@ def test_divergence_and_settings_name_what_would_be_wrong():
 def test_a_refused_distiller_leaves_the_draft_and_a_saved_one_keeps_its_buffers(tmp_path):
     """Before: a Distiller refused for its folder had already cast the draft to float32 and frozen it; a folder
     that cannot be written was found after checkpoint_every steps; a damaged checkpoint gave a raw JSON or
-    pickle error (with torch's advice to load it with weights_only=False); train_layers=None against a
+    pickle error (with torch's advice to load it with weights_only=False, which would run the file); train_layers=None against a
     checkpoint of the same layers given as (1, 2) was 'other settings'; save_draft of a bf16 draft rounded its
     RoPE frequencies (not in the state dict) through bf16 for good."""
     target, _ = make_pair()
@@ -358,8 +358,8 @@ def test_a_refused_distiller_leaves_the_draft_and_a_saved_one_keeps_its_buffers(
         Distiller(target, draft, config, tmp_path / "bad")
     assert draft.dtype == torch.bfloat16 and all(p.requires_grad for p in draft.parameters())
     (tmp_path / "file").write_text("")
-    with pytest.raises(ValueError, match="cannot be written"):
-        Distiller(target, draft, config, tmp_path / "file")
+    with pytest.raises(ValueError, match="cannot be written"):  # before the first step
+        Distiller(target, make_pair()[1], config, tmp_path / "file").train(PROMPTS, progress=False)
     Distiller(target, make_pair()[1], DistillConfig(steps=1, lr=1e-3, new_tokens=4, train_layers=(1, 2)),
               tmp_path / "run").train(PROMPTS, progress=False)
     assert Distiller(target, make_pair()[1], DistillConfig(steps=2, lr=1e-3, new_tokens=4), tmp_path / "run").step_count == 1

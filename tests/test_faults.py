@@ -1075,3 +1075,30 @@ def test_a_sink_file_that_cannot_be_written_is_named():
     with pytest.raises(OSError, match="acceptance_sink: cannot write the round records to '/dev/full'"):
         target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.speculative_generate,
                         assistant=perturbed(target, 0.02), max_new_tokens=12, do_sample=False, acceptance_sink="/dev/full")
+
+
+def test_a_drafter_whose_own_start_refuses_is_released_and_a_copy_is_free():
+    """A subclass refusing in its own start() after super().start() (as tests/test_exactness.py's do) left the
+    drafter claimed, so every later call in the thread was refused as 'a call made inside another'; a copy taken
+    during a call kept that call's claim."""
+    import copy
+
+    from hf_specdec.proposals import DraftModelDrafter
+
+    class OneRow(DraftModelDrafter):
+        def start(self, batch_size):
+            super().start(batch_size)
+            if batch_size > 1:
+                raise ValueError("OneRow drafts for one row")
+
+    target = tiny_model(vocab=64, seed=3)
+    drafter = OneRow(perturbed(target, 0.02), None, do_sample=False, vocab=64)
+    kwargs = dict(custom_generate=hf_specdec.speculative_generate, candidate_generator=drafter, max_new_tokens=6,
+                  do_sample=False)
+    with pytest.raises(ValueError, match="OneRow drafts for one row"):
+        target.generate(torch.tensor([[1, 2, 3], [4, 5, 6]]), attention_mask=torch.ones(2, 3, dtype=torch.long), **kwargs)
+    plain = target.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=6, do_sample=False)
+    copies = []
+    out = target.generate(torch.tensor([[1, 2, 3]]), acceptance_sink=lambda r: copies.append(copy.deepcopy(drafter)), **kwargs)
+    assert torch.equal(out, plain) and copies
+    assert torch.equal(target.generate(torch.tensor([[1, 2, 3]]), **{**kwargs, "candidate_generator": copies[0]}), plain)

@@ -106,6 +106,13 @@ class DraftModelDrafter(Drafter):
     def finish(self) -> None:
         self._user = None
 
+    def holder(self) -> threading.Thread | None:
+        """The thread of the call that holds it (between `start` and `finish`), or None."""
+        return self._user and self._user()
+
+    def __getstate__(self) -> dict:  # a copy (say, taken during a call) is free: the call holds the original only
+        return {**self.__dict__, "_user": None}
+
     def _fresh(self, batch_size: int) -> None:
         if self.window is not None and batch_size > 1:
             raise ValueError(f"a draft window (draft_window={self.window}) works on one row at a time; got a batch of {batch_size}")

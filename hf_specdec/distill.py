@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import math
 import numbers
+import pickle
 import tempfile
 import time
 from contextlib import contextmanager
@@ -257,9 +258,10 @@ class Distiller:
             saved = {name: tuple(t.shape) for name, t in state["params"].items()}
             steps = (int(state["step"]), progress["step"])
         except Exception as error:  # not torch's advice to load with weights_only=False: that would run the file
+            detail = ("it holds objects other than tensors, left unread (weights_only=True)"
+                      if isinstance(error, pickle.UnpicklingError) else (str(error).splitlines() or [""])[0][:120])
             raise ValueError(f"{self.folder}: checkpoint.pt and checkpoint.json are not a checkpoint hf_specdec wrote "
-                             f"({type(error).__name__}: {str(error).splitlines()[0][:120] if str(error) else ''}): use "
-                             "another folder or remove both files") from None
+                             f"({type(error).__name__}: {detail}): use another folder or remove both files") from None
         if saved != shapes:
             only = sorted(set(saved) - set(shapes)), sorted(set(shapes) - set(saved))
             shape = sorted(n for n in shapes if n in saved and shapes[n] != saved[n])

@@ -574,7 +574,11 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec starts from input_ids (both models read the same token ids); "
                          "inputs_embeds is not supported: pass the prompt as input_ids.")
-    extra = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_INPUTS)
+    # None, or nothing in it: transformers passes multimodal models an empty mm_encoder_outputs for text alone
+    extra = sorted(k for k, v in model_kwargs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
+                   and k not in _HANDLED_MODEL_INPUTS)
+    extra = [f"{k} (images or other media, which transformers encoded before the call)" if k == "mm_encoder_outputs"
+             else k for k in extra]
     if extra:
         raise ValueError(
             f"hf_specdec feeds both models token ids and an attention mask only; got {', '.join(extra)}, which plain "

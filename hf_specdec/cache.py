@@ -96,6 +96,9 @@ def column_bound(model: torch.nn.Module) -> tuple[str | None, str | None]:
     if local_window(config) is not None:
         why = f"GPT-Neo's local attention spans {config.window_size} columns, holes included"
         return why, why
+    if kind == "git":  # modeling_git.py: a cached forward widens a 2-D mask by image tokens, with or without an image
+        why = "GIT's forward widens a 2-D attention mask by its image tokens once its cache holds any"
+        return why, why
     if kind == "mpt":
         why = "MPT's ALiBi bias is computed from column positions, not from the mask or the position ids"
         return why, why

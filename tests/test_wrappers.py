@@ -225,3 +225,37 @@ def test_a_meta_default_device_and_models_without_accessors():
     with pytest.raises(ValueError, match=r"\(NoAccessor\) has no get_input_embeddings\(\)"):
         spec(own(NoAccessor), assistant=draft)
     assert torch.equal(spec(target, assistant=own(NoAccessor)), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
+
+
+# ---------------------------------------------------------------- multimodal classes, used for text
+
+
+def test_a_multimodal_target_runs_on_text_and_names_images():
+    """transformers hands a multimodal model an empty mm_encoder_outputs when there is no image. Before: every such
+    class (Gemma 3, Qwen2-VL, Llava, ... 20 in transformers 5.25) was refused on text alone, naming an argument the
+    caller never passed; and GIT, whose cached forwards widen a 2-D mask by its image tokens, gave a batch that
+    differed from plain without a word."""
+    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, GitConfig, GitForCausalLM, LlamaConfig,
+                              LlavaConfig, LlavaForConditionalGeneration)
+
+    torch.manual_seed(0)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    target = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=256)).eval()
+    ids, mask = torch.tensor([[15, 16, 17, 18, 19, 20, 21], [0, 0, 40, 41, 42, 43, 44]]), torch.ones(2, 7, dtype=torch.long)
+    mask[1, :2] = 0
+    for rows in (1, 2):
+        kwargs = dict(attention_mask=mask[:rows], max_new_tokens=12, do_sample=False)
+        assert torch.equal(spec(target, ids[:rows], assistant=draft, **kwargs), target.generate(ids[:rows], **kwargs))
+    llava = LlavaForConditionalGeneration(LlavaConfig(text_config={**text, "model_type": "llama"}, vision_config=vision,
+                                                      image_token_index=255)).eval()
+    assert torch.equal(spec(llava, ids[:1], assistant=draft), llava.generate(ids[:1], max_new_tokens=12, do_sample=False))
+    with pytest.raises(ValueError, match="images or other media"):
+        spec(llava, torch.tensor([[255] * 4 + [15, 16]]), assistant=draft, pixel_values=torch.randn(1, 3, 224, 224))
+    git = GitForCausalLM(GitConfig(vision_config=dict(vision, projection_dim=32), vocab_size=256, hidden_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4, intermediate_size=128)).eval()
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="GIT's forward widens a 2-D attention mask"):
+        spec(git, ids, assistant=draft, attention_mask=mask)

@@ -13,7 +13,6 @@ import copy
 import importlib
 import json
 import math
-import os
 import statistics
 import subprocess
 import sys
@@ -249,9 +248,10 @@ def threads_count(text: str) -> int:
         value = 0 if text.strip() == "0" else positive_int(text)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError(f"must be 0 (torch's default) or a positive integer, got {text!r}") from None
-    most = 4 * (os.cpu_count() or 1)
-    if value > most:  # a typo: torch would try to start them all
-        raise argparse.ArgumentTypeError(f"must be at most {most} (4 per core of this machine's {os.cpu_count()}), got {value}")
+    from hf_specdec.cli import too_many_threads
+
+    if (problem := too_many_threads(value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

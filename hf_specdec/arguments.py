@@ -285,9 +285,10 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
 
 def _validate_holes(model: PreTrainedModel, input_ids: torch.Tensor, continuous: bool) -> list[int]:
     """Rows that accept different numbers of tokens leave masked holes: refused where the target's attention
-    sees them (and there is no window a batch could be checked against). Returns the target's windows."""
+    sees them, in continuous batching (rows join and leave) and in a batch with no window it could be checked
+    against (`_validate_window`). Returns the target's windows."""
     windows, holes = _validate_layers(model, "target"), column_bound(model)[0]
-    if holes and not windows and (input_ids.shape[0] > 1 or continuous):
+    if holes and (continuous or (not windows and input_ids.shape[0] > 1)):
         what = "continuous batching" if continuous else f"a batch of {input_ids.shape[0]} rows"
         raise UnsupportedCacheError(f"{what}: rows that accept different numbers of tokens leave masked holes, and "
                                     f"{holes}. Generate one row at a time.")

@@ -210,10 +210,16 @@ def _draft_tokens(text: str) -> int:
     return value
 
 
+def too_many_threads(value: int) -> str | None:
+    """Why a --threads value is a typo (torch would try to start them all), or None: the CLI's and the evals' rule."""
+    most = 4 * (os.cpu_count() or 1)
+    return f"must be at most {most} (4 per core of this machine's {os.cpu_count()}), got {value}" if value > most else None
+
+
 def _threads(text: str) -> int:
-    value, most = _int_at_least(text, 0), 4 * (os.cpu_count() or 1)
-    if value > most:  # a typo: torch would try to start them all
-        raise argparse.ArgumentTypeError(f"must be at most {most} (4 per core of this machine's {os.cpu_count()}), got {value}")
+    value = _int_at_least(text, 0)
+    if (problem := too_many_threads(value)) is not None:
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 

@@ -248,7 +248,7 @@ def _start(
         cache = make_rollbackable(model_kwargs["cache"] if model_kwargs.get("cache") is not None else new_cache(model))
         unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
         use_lookup = config.ngram and not foreign and planner.adaptive
-        holes, tree_problem = column_bound(model)
+        tree_problem = column_bound(model)[1]  # (a target whose attention sees holes: refused in `validate`)
         trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
                  and can_gather((cache, drafter.cache)) and tree_problem is None)  # else chains
         lookup = None
@@ -262,8 +262,6 @@ def _start(
         if requests is not None and not can_gather((cache, drafter.cache)):
             raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
                                         "(rows join by gathering cache columns; sliding-window layers keep a window)")
-        if requests is not None and holes:  # rows that join and leave leave holes
-            raise UnsupportedCacheError(f"continuous batching leaves masked holes in rows, and {holes}")
         write_record, close_sink = open_sink(acceptance_sink)
         batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"),
                             generation_config.max_length - input_ids.shape[1])

@@ -12,7 +12,7 @@ from transformers import LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..cache import add_row, extend, hide_prefix, new_cache, rollback
-from ..config import as_int
+from ..config import _check_int, as_int
 from ..sampling import Prefixes, RowProcessors, logits_to_probs, sample
 from ..stats import DRAFT
 from ..verify import reads_are_free
@@ -263,9 +263,9 @@ def _check_drafter_arguments(model, logits_processor, do_sample, generator, wind
         raise ValueError(f"logits_processor must be a LogitsProcessorList (or None), got {type(logits_processor).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
-    for name, value in (("window", as_int(window)), ("vocab", as_int(vocab))):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-            raise ValueError(f"{name} must be a positive integer (or None), got {value!r}")
+    for name, value in (("window", window), ("vocab", vocab)):
+        if value is not None:
+            _check_int(name, as_int(value), 1)
 
 
 def inner_drafter(candidate_generator) -> DraftModelDrafter | None:

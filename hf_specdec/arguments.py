@@ -292,14 +292,31 @@ def _validate_holes(model: PreTrainedModel, input_ids: torch.Tensor, continuous:
         what = "continuous batching" if continuous else f"a batch of {input_ids.shape[0]} rows"
         raise UnsupportedCacheError(f"{what}: rows that accept different numbers of tokens leave masked holes, and "
                                     f"{holes}. Generate one row at a time.")
-    implementation = getattr(model.config, "_attn_implementation", None)
-    if implementation is not None and implementation not in ALL_MASK_ATTENTION_FUNCTIONS:
+    for implementation in _attention_implementations(model.config):
+        if implementation in ALL_MASK_ATTENTION_FUNCTIONS:
+            continue
         raise UnsupportedCacheError(
             f"the target's attention implementation {implementation!r} has no mask function registered "
             "(transformers.masking_utils.AttentionMaskInterface), so transformers builds no attention mask for it: "
             "plain decoding's one-token steps need none, but a forward over several new tokens after a cache would "
             "attend past each token. Register a mask function for it, or use 'sdpa' or 'eager'.")
     return windows
+
+
+def _attention_implementations(config: Any) -> list[str]:
+    """The attention implementations a config and its sub-configs set (a composite model's text model can
+    be given its own: `set_attn_implementation({"text_config": ...})`)."""
+    found, seen, todo = [], set(), [config]
+    while todo:
+        config = todo.pop()
+        if config is None or id(config) in seen:
+            continue
+        seen.add(id(config))
+        implementation = getattr(config, "_attn_implementation", None)
+        if isinstance(implementation, str) and implementation not in found:
+            found.append(implementation)
+        todo.extend(getattr(config, name, None) for name in (getattr(config, "sub_configs", None) or {}))
+    return found
 
 
 def _validate_window(windows: list[int], input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:

@@ -200,6 +200,26 @@ def test_an_attention_implementation_without_a_mask_function_is_refused():
     assert torch.equal(spec(target, assistant=draft), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
 
 
+def test_a_sub_config_attention_implementation_without_a_mask_function_is_refused():
+    """A composite model's text model can take its own implementation (set_attn_implementation({"text_config": ...}))
+    while the top-level config says 'sdpa'. Before: only the top level was checked, and greedy differed from plain."""
+    from transformers import AttentionInterface, Gemma3Config, Gemma3ForConditionalGeneration, LlamaConfig
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("hf_specdec_test_text_only", sdpa_attention_forward)
+    torch.manual_seed(0)
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, vocab_size=256)
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
+    target = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision)).eval()
+    draft = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1, vocab_size=256)).eval()
+    target.set_attn_implementation({"text_config": "hf_specdec_test_text_only", "vision_config": "sdpa", "": "sdpa"})
+    assert target.config._attn_implementation == "sdpa"
+    with pytest.raises(hf_specdec.UnsupportedCacheError, match="'hf_specdec_test_text_only' has no mask function"):
+        spec(target, assistant=draft)
+
+
 def test_a_meta_default_device_and_models_without_accessors():
     """Before: under torch.set_default_device("meta") (plain generate() runs there) a tree's host tensors were made
     on meta (NotImplementedError); a model without get_input_embeddings met transformers' raw NotImplementedError,

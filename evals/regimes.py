@@ -55,7 +55,10 @@ STANDARD = HERE / "results" / "standard" / "records.jsonl"
 
 
 def read_records(path: Path) -> list[dict]:
-    records = [json.loads(line) for line in open(path)]
+    """run_eval.py's records at `path` (given as --records), each line checked and named if it is not one."""
+    from run_eval import read_records as checked
+
+    records = checked(path, "--records")
     for r in records:  # older records hold work and tokens as Python reprs
         for key in ("work", "tokens"):
             if isinstance(r.get(key), str):

@@ -45,6 +45,7 @@ from common import (  # noqa: E402
 )
 import costs  # noqa: E402
 from costs import CostTable  # noqa: E402
+from regimes import read_records  # noqa: E402
 
 RECORDED = ("plain", "assisted", "prompt_lookup")  # repriced from the records
 ENGINES = {"plain": "transformers", "assisted": "transformers", "prompt_lookup": "transformers",
@@ -196,11 +197,7 @@ def main(argv=None) -> dict:
     table = CostTable.load(Path(args.cost_table))
     if "hf" not in table.forwards:
         table.alias("hf", "bf16")
-    records = [json.loads(line) for line in open(args.records)]
-    for r in records:  # older records hold work and tokens as Python reprs
-        for key in ("work", "tokens"):
-            if isinstance(r.get(key), str):
-                r[key] = json.loads(r[key].replace("'", '"'))
+    records = read_records(Path(args.records))
     settings = dict(args.settings)
     from hf_specdec.arguments import OWN_ARGUMENTS, check_arguments
 

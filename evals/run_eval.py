@@ -816,9 +816,10 @@ def replot(records_path: Path, out: Path | None = None) -> dict:
     return summary
 
 
-def read_records(path: Path) -> list[dict]:
+def read_records(path: Path, flag: str = "--from-records") -> list[dict]:
     """The records of a records.jsonl. Blank lines are skipped, and so is a last line cut short (a
-    process killed while writing it), with a warning; any other line that is not a record is named."""
+    process killed while writing it), with a warning; any other line that is not a record is named
+    (after `flag`, the option that gave the file)."""
     lines = path.read_bytes().decode(errors="replace").splitlines()
     last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
     records = []
@@ -831,9 +832,9 @@ def read_records(path: Path) -> list[dict]:
             if i == last:
                 print(f"warning: {path}:{i + 1}: skipped the last line, cut short ({err})", file=sys.stderr)
                 continue
-            raise SystemExit(f"--from-records {path}:{i + 1}: not a JSON record ({err})") from None
+            raise SystemExit(f"{flag} {path}:{i + 1}: not a JSON record ({err})") from None
         if not isinstance(record, dict) or not {"id", "category", "mode", "method"} <= set(record):
-            raise SystemExit(f"--from-records {path}:{i + 1}: not a record of run_eval.py (it needs id, category, mode "
+            raise SystemExit(f"{flag} {path}:{i + 1}: not a record of run_eval.py (it needs id, category, mode "
                              "and method)")
         records.append(record)
     return records

@@ -138,3 +138,17 @@ def test_prompt_lookup_rounds_follow_from_its_output(mode):
             assert any(w > 1 for w, _ in forwards[1:])  # lookups happened
             kept |= any(after[1] - before[1] > 1 for before, after in zip(forwards[1:], forwards[2:]))
     assert kept  # and some of their tokens were kept
+
+
+def test_records_that_are_not_run_eval_records_are_named(tmp_path):
+    """Before: replay.py and regimes.py met a bad --records file with json's raw error or a KeyError."""
+    from regimes import read_records
+
+    (tmp_path / "a.jsonl").write_text("not json\n{}\n")
+    (tmp_path / "b.jsonl").write_text('{"id": 1}\n')
+    with pytest.raises(SystemExit, match="--records .*a.jsonl:1: not a JSON record"):
+        read_records(tmp_path / "a.jsonl")
+    with pytest.raises(SystemExit, match="b.jsonl:1: not a record of run_eval.py"):
+        read_records(tmp_path / "b.jsonl")
+    (tmp_path / "c.jsonl").write_text('{"id": 1, "category": "qa", "mode": "greedy", "method": "plain", "work": "[1]"}\n')
+    assert read_records(tmp_path / "c.jsonl")[0]["work"] == [1]

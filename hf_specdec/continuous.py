@@ -317,12 +317,23 @@ class Requests:
 
 
 def _setting(name: str, kwargs: dict, model: PreTrainedModel) -> Any:
-    """A generation setting as generate() resolves it: the keyword, else the config passed, else the model's."""
+    """A generation setting as generate() resolves it: the keyword (an explicit None too), else the config
+    passed, else the model's."""
+    if name in kwargs:
+        return kwargs[name]
     given = kwargs.get("generation_config")
     for value in (kwargs.get(name), getattr(given, name, None), getattr(model.generation_config, name, None)):
         if value is not None:
             return value
     return None
+
+
+def _input_device(model: PreTrainedModel) -> torch.device:
+    """Where prompts go: the model's device, or for weights that accelerate offloaded (`model.device` is meta)
+    the device its hooks run the forward on, the CPU where they name none (they move inputs there)."""
+    if model.device.type != "meta":
+        return model.device
+    return getattr(getattr(model, "_hf_hook", None), "execution_device", None) or torch.device("cpu")
 
 
 def learned_positions(model: PreTrainedModel) -> bool:
@@ -460,7 +471,7 @@ def generate_continuous(
     max_length, max_new_tokens, pad, eos = (_setting(name, generate_kwargs, model) for name in (
         "max_length", "max_new_tokens", "pad_token_id", "eos_token_id"))
     eos = _eos_ids(eos)
-    requests = Requests(prompts, int(max_batch_size), model.device, on_result, progress,
+    requests = Requests(prompts, int(max_batch_size), _input_device(model), on_result, progress,
                         vocab_size=model.get_input_embeddings().weight.shape[0],
                         default_length=max_length is None and max_new_tokens is None,
                         max_positions=context_length(model.config), learned_positions=learned_positions(model),

@@ -237,6 +237,41 @@ def test_a_prompts_attention_mask_drops_its_padding():
                                        attention_mask=torch.ones(1, 3))
 
 
+def test_an_explicit_none_overrides_the_models_generation_config():
+    """generate() lets a keyword given as None override the model's generation_config. Before: the stream read it
+    as not given, so with the model's max_new_tokens set and max_new_tokens=None later prompts got the first
+    prompt's max_length, and pad_token_id=None still stripped the config's pad id from a prompt's start."""
+    from transformers import GenerationConfig
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    target.generation_config = GenerationConfig(do_sample=False, max_new_tokens=15, pad_token_id=0)
+    prompts = [list(range(1, 11)), [5, 6], list(range(7, 26)), [0, 0, 5, 6, 7]]
+    results = hf_specdec.generate_continuous(target, prompts, assistant=draft, max_batch_size=2, max_new_tokens=None,
+                                             pad_token_id=None)
+    for prompt, result in zip(prompts, results):
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=None, pad_token_id=None)[0, len(prompt):]
+        assert result.ok and result.tokens.tolist() == plain.tolist()
+
+
+def test_a_target_that_accelerate_offloaded_streams():
+    """accelerate's cpu_offload leaves the weights on meta (model.device is meta). Before: the stream put the
+    prompts there and failed in a raw meta-tensor error; plain generate() and a single call ran."""
+    import copy
+
+    from accelerate import cpu_offload
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    offloaded = cpu_offload(copy.deepcopy(target), execution_device=torch.device("cpu"))
+    assert offloaded.device.type == "meta"
+    prompts = [[1, 5, 9, 2, 7], [3, 4, 5]]
+    results = hf_specdec.generate_continuous(offloaded, prompts, assistant=draft, max_new_tokens=6, do_sample=False)
+    for prompt, result in zip(prompts, results):
+        plain = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
+        assert result.ok and result.tokens.tolist() == plain.tolist()
+
+
 def test_a_stream_refuses_a_deadline_and_a_single_prompt_and_names_a_failed_loop():
     """`max_time` was one deadline for the whole stream: every prompt admitted after it got one token and
     `ok=True`. One prompt given flat (`[1, 2, 3]`) made each id a failed request. A decode loop that failed

@@ -181,22 +181,26 @@ def _validate_strategy(generation_config: GenerationConfig, synced_gpus: bool) -
     for flag in ("output_attentions", "output_hidden_states"):
         if generation_config.return_dict_in_generate and getattr(generation_config, flag):
             raise ValueError(f"hf_specdec does not return attentions or hidden states ({flag}=True).")
-    if generation_config.cache_implementation not in (None, "dynamic"):
-        raise UnsupportedCacheError(
-            f"hf_specdec supports DynamicCache only, got cache_implementation={generation_config.cache_implementation!r}."
-        )
+
+
+def _origin(model: PreTrainedModel, generation_config: GenerationConfig, name: str) -> str:
+    """Where a setting came from, when the model's generation_config holds it ("" otherwise)."""
+    value = getattr(generation_config, name)
+    if getattr(model.generation_config, name, None) == value:
+        return f" ({name}={value!r} comes from the model's generation_config: pass {name}=None to generate())"
+    return ""
 
 
 def _validate_assisted(model: PreTrainedModel, generation_config: GenerationConfig) -> None:
-    """transformers' own speculation settings: those that pick another method or law refused, the draft-length
-    knobs that differ from the defaults transformers fills into every call warned about (once), each named with
-    where it came from when the model's generation_config holds it."""
+    """A cache other than DynamicCache refused, and transformers' own speculation settings: those that pick another
+    method or law refused, the draft-length knobs that differ from the defaults transformers fills into every call
+    warned about (once), each named with where it came from when the model's generation_config holds it."""
     def origin(name: str) -> str:
-        value = getattr(generation_config, name)
-        if getattr(model.generation_config, name, None) == value:
-            return f" ({name}={value!r} comes from the model's generation_config: pass {name}=None to generate())"
-        return ""
+        return _origin(model, generation_config, name)
 
+    if generation_config.cache_implementation not in (None, "dynamic"):
+        raise UnsupportedCacheError(f"hf_specdec supports DynamicCache only, got cache_implementation="
+                                    f"{generation_config.cache_implementation!r}{origin('cache_implementation')}.")
     for name, why in _ASSISTED_METHODS.items():  # as transformers reads them: set (use_mtp: true)
         value = getattr(generation_config, name, None)
         if (bool(value) if name == "use_mtp" else value is not None):

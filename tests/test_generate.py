@@ -614,6 +614,14 @@ def test_errors_name_the_problem():
         spec(target, target, max_new_tokens=3, cache_implementation="static")
     with pytest.raises(hf_specdec.UnsupportedCacheError, match="DynamicCache only"):
         spec(target, target, max_new_tokens=3, cache=StaticCache(config=target.config, max_cache_len=64))
+    target.generation_config.cache_implementation = "static"  # the message said nothing of where it came from
+    try:
+        with pytest.raises(hf_specdec.UnsupportedCacheError, match="comes from the model's generation_config: pass "
+                                                                   "cache_implementation=None"):
+            spec(target, target, max_new_tokens=3)
+        spec(target, target, max_new_tokens=3, cache_implementation=None)
+    finally:
+        target.generation_config.cache_implementation = None
     with pytest.raises(ValueError, match="num_draft_tokens"):
         spec(target, target, max_new_tokens=3, num_draft_tokens=-1)
     with pytest.raises(ValueError, match="draft_temperature"):  # a removed setting: transformers names it unused

@@ -429,12 +429,13 @@ def call_defaults(model, input_ids, logits_processor, stopping_criteria, generat
     """A direct call's arguments checked by type and None lists made empty; and the length plain generate()
     stops at: its shortest `MaxLengthCriteria` (a user's replaces the config's, transformers warns), where that
     is not max_length."""
-    logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
-    stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
     if not _is_model(model) or not isinstance(generation_config, GenerationConfig):
         raise ValueError(f"speculative_generate takes a transformers model and the GenerationConfig generate() prepares "
                          f"(call model.generate(..., custom_generate=hf_specdec.speculative_generate)), got "
                          f"{type(model).__name__} and {type(generation_config).__name__}")
+    _check_unprepared(generation_config, logits_processor is None, stopping_criteria is None)
+    logits_processor = LogitsProcessorList() if logits_processor is None else logits_processor
+    stopping_criteria = StoppingCriteriaList() if stopping_criteria is None else stopping_criteria
     for name, value, kind in (("logits_processor", logits_processor, "LogitsProcessorList"),
                               ("stopping_criteria", stopping_criteria, "StoppingCriteriaList")):
         if not isinstance(value, (list, tuple)) or not all(callable(item) for item in value):
@@ -449,6 +450,34 @@ def call_defaults(model, input_ids, logits_processor, stopping_criteria, generat
         generation_config = copy.copy(generation_config)
         generation_config.max_length = min(lengths)
     return logits_processor, stopping_criteria, generation_config
+
+
+# Settings that generate() turns into logits processors or stopping criteria, with the value that makes none.
+_PROCESSED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
+              "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
+              "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
+              "exponential_decay_length_penalty": None, "renormalize_logits": False, "watermarking_config": None,
+              "guidance_scale": 1.0}
+_WARPED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+           "eta_cutoff": 0.0, "top_h": None}  # sampling only
+_STOPPED = {"eos_token_id": None, "stop_strings": None, "max_time": None}
+
+
+def _check_unprepared(generation_config: GenerationConfig, no_processors: bool, no_criteria: bool) -> None:
+    """A direct call applies the processors and criteria it is passed, as transformers' decoding methods do:
+    generate() builds them from the config. One passing none with a config that asks for some is refused (its
+    temperature, top-k or EOS were ignored without a word)."""
+    def asked(settings: dict) -> list[str]:
+        return [name for name, neutral in settings.items()
+                if getattr(generation_config, name, None) not in (None, neutral, [], ())]
+
+    unread = (asked(_PROCESSED) + (asked(_WARPED) if generation_config.do_sample else [])) * no_processors
+    unread += asked(_STOPPED) * no_criteria
+    if unread:
+        raise ValueError(f"a direct call of speculative_generate applies the logits_processor and stopping_criteria "
+                         f"it is passed, and none were passed, so {', '.join(unread)} of the GenerationConfig would "
+                         "be ignored: call model.generate(..., custom_generate=hf_specdec.speculative_generate), "
+                         "which builds them from the config, or pass them")
 
 
 def check_arguments(kwargs: dict[str, Any]) -> SpeculativeConfig:

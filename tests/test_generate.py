@@ -1085,6 +1085,26 @@ def test_direct_calls_and_draft_sources_are_checked_as_generate_would():
     assert not result.ok and "attention_mask must hold 0" in str(result.error)
 
 
+def test_a_direct_call_without_processors_refuses_a_config_that_asks_for_some():
+    """From an API probe. A direct call applies the processors and criteria it is passed, as transformers' decoding
+    methods do. Before: one passing none sampled at temperature 1 with temperature=0.01, top_k=1 in its config,
+    and decoded past its eos_token_id, without a word."""
+    target = tiny_model("llama", seed=8)
+    draft = perturbed(target, noise=0.5)
+    ids = torch.tensor([[1, 5, 9, 2]])
+    for config, named in ((GenerationConfig(max_length=10, do_sample=True, temperature=0.01, top_k=1), "temperature, top_k"),
+                          (GenerationConfig(max_length=10, eos_token_id=5), "eos_token_id"),
+                          (GenerationConfig(max_length=10, repetition_penalty=1.3), "repetition_penalty")):
+        with pytest.raises(ValueError, match=f"so {named} of the GenerationConfig would be ignored"):
+            hf_specdec.speculative_generate(target, ids, None, None, config, assistant=draft)
+    neutral = GenerationConfig(max_length=10, do_sample=False, temperature=0.01, top_k=1, repetition_penalty=1.0)
+    out = hf_specdec.speculative_generate(target, ids, None, None, neutral, assistant=draft)  # greedy reads no warper
+    assert torch.equal(out, target.generate(ids, max_length=10, do_sample=False))
+    out = hf_specdec.speculative_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList(),
+                                          GenerationConfig(max_length=10, eos_token_id=5), assistant=draft)
+    assert out.shape[1] == 10  # lists passed: the caller's, as transformers' decoding methods take them
+
+
 def test_a_direct_calls_own_arguments_and_the_sink_and_draft_are_named():
     """From an API fuzz. Before: AttributeErrors from inside the loop (generation_config=None, a str as the
     model, streamer or processors), a sink taking no argument failed after the first round's forwards, and a

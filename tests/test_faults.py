@@ -287,6 +287,15 @@ def test_a_refused_streamer_is_ended(models, where):
     assert streamer.text_queue.qsize() == 0  # no second end-of-stream signal left behind
 
 
+def test_the_directory_form_names_a_draft_tokenizer(models):
+    """assistant_tokenizer= asks for transformers' universal assisted decoding (a draft with another tokenizer).
+    Before: the directory form dropped it and drafted tokens that were never accepted, without a word."""
+    target, draft = models
+    with pytest.raises(ValueError, match="assistant_tokenizer= asks for transformers' universal assisted decoding"):
+        target.generate(torch.tensor([[1, 2, 3]]), custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True,
+                        assistant_model=draft, tokenizer=Spaces(), assistant_tokenizer=Spaces(), max_new_tokens=4)
+
+
 def test_numpy_integer_budgets_are_taken_as_plain_generate_takes_them(models):
     """Before this session's float check was mended: np.int64 budgets were refused (plain takes them)."""
     import numpy as np

@@ -57,6 +57,10 @@ def _arguments(model, assistant_model, streamer, kwargs):
             raise ValueError(f"both {mine}= and {name}= were given: the directory form takes {mine}=; pass one")
         if theirs is not None:
             kwargs[name] = theirs
+    if kwargs.get("assistant_tokenizer") is not None:  # the callable form never sees it: transformers drops it
+        raise ValueError("assistant_tokenizer= asks for transformers' universal assisted decoding, for a draft with "
+                         "another tokenizer; hf_specdec needs a draft that shares the target's vocabulary (drop it "
+                         "if the draft does)")
     if kwargs.get("cache_implementation") == "paged":  # generate() would run its own continuous batching instead
         raise ValueError("cache_implementation='paged' is transformers' continuous batching, which would run instead of "
                          "hf_specdec (without the draft); hf_specdec supports DynamicCache only: for many prompts use "

@@ -339,12 +339,12 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, target_model=None, 
     """Raise a ValueError naming the difference when the two cannot be a speculative pair."""
     if target_tokenizer.get_vocab() != draft_tokenizer.get_vocab():
         t, d = target_tokenizer.get_vocab(), draft_tokenizer.get_vocab()
-        only_t = sorted(set(t) - set(d))[:5]
-        only_d = sorted(set(d) - set(t))[:5]
-        raise ValueError(
-            f"tokenizer mismatch: target has {len(t)} tokens, draft {len(d)}; e.g. only in target {only_t}, "
-            f"only in draft {only_d}. Speculative decoding needs a draft that shares the target's tokenizer."
-        )
+        only_t, only_d = sorted(set(t) - set(d))[:5], sorted(set(d) - set(t))[:5]
+        moved = sorted((token, t[token], d[token]) for token in set(t) & set(d) if t[token] != d[token])[:5]
+        differ = (f"e.g. only in target {only_t}, only in draft {only_d}" if only_t or only_d else
+                  "the same tokens under other ids, e.g. (token, target id, draft id) " + ", ".join(map(repr, moved)))
+        raise ValueError(f"tokenizer mismatch: target has {len(t)} tokens, draft {len(d)}; {differ}. Speculative "
+                         "decoding needs a draft that shares the target's tokenizer.")
     if target_model is not None and draft_model is not None:
         from .arguments import padding_rows
 

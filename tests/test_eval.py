@@ -501,6 +501,17 @@ def test_tokenizer_and_vocabulary_mismatch_are_named():
         check_same_vocabulary(target_tok, draft_tok)
 
 
+    class Vocab:  # the same tokens under other ids: the message named no difference ("only in target []")
+        def __init__(self, vocab):
+            self.vocab = vocab
+
+        def get_vocab(self):
+            return self.vocab
+
+    with pytest.raises(ValueError, match=r"the same tokens under other ids, e.g. .*\('a', 0, 1\), \('b', 1, 0\)"):
+        check_same_vocabulary(Vocab({"a": 0, "b": 1, "c": 2}), Vocab({"a": 1, "b": 0, "c": 2}))
+
+
 ANALYSES = Path(__file__).resolve().parents[1] / "evals" / "analyses.py"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import inspect
 import logging
 import numbers
@@ -629,7 +630,8 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
     extra = sorted(k for k, v in model_kwargs.items() if v is not None and not (isinstance(v, (dict, list, tuple)) and not v)
                    and k not in _HANDLED_MODEL_INPUTS)
     extra = [f"{k} (images or other media, which transformers encoded before the call)" if k == "mm_encoder_outputs"
-             else k for k in extra]
+             else f"{k} (did you mean {close[0]}?)" if (close := difflib.get_close_matches(k, OWN_ARGUMENTS, 1, 0.85))
+             else k for k in extra]  # a direct call's typo reaches here (generate() names it first)
     if extra:
         raise ValueError(
             f"hf_specdec feeds both models token ids and an attention mask only; got {', '.join(extra)}, which plain "

@@ -365,11 +365,11 @@ class RetrievalCache:
         if key not in self._open.tokens:
             raise ValueError(f"RetrievalCache: no sequence is open under {key!r} (open it first)")
 
-    def _ids(self, tokens: Iterable[int]) -> list[int]:
+    def _ids(self, tokens: Iterable[int], name: str = "tokens") -> list[int]:
         """Checked ids (`_token_id`), where every token enters the store."""
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable) or getattr(tokens, "ndim", 1) != 1:
             shape = f" of shape {tuple(tokens.shape)}" if hasattr(tokens, "shape") else ""
-            raise ValueError(f"RetrievalCache: tokens must be one sequence of token ids, got {type(tokens).__name__}{shape}"
+            raise ValueError(f"RetrievalCache: {name} must be one sequence of token ids, got {type(tokens).__name__}{shape}"
                              " (several sequences, e.g. a batch's rows, are added one at a time)")
         return [_token_id(t) for t in tokens]
 
@@ -379,7 +379,9 @@ class RetrievalCache:
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""
-        return self._ids(_last(() if context is None else context, self.context)) if self.context else []  # None: none
+        if isinstance(context, (str, bytes)):
+            return self._ids(context, "context")
+        return self._ids(_last(() if context is None else context, self.context), "context") if self.context else []
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:

@@ -187,6 +187,9 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
     assert short.max_token_id == 1
     with pytest.raises(ValueError, match="tokens must be one sequence of token ids, got int"):  # a raw TypeError
         cache.add(5)
+    for context_size in (4, 0):  # a bad context was named as bad tokens, and ignored where no context is kept
+        with pytest.raises(ValueError, match="context must be one sequence of token ids, got str"):
+            RetrievalCache(context=context_size).add([1, 2, 3], context="the prompt")
     for bad in (dict(max_branches=0), dict(max_branches=-1), dict(min_match="a")):  # -1 dropped a branch silently
         with pytest.raises(ValueError, match="RetrievalCache.lookup: (max_branches|min_match)"):
             cache.lookup([5], 2, **bad)
@@ -389,7 +392,7 @@ def test_bad_contexts_queries_and_stream_arguments_are_named():
     cache = RetrievalCache()
     cache.add([1, 2, 3], context=None)  # no context, as the default
     for call in (lambda: cache.add([1, 2], context=5), lambda: cache.lookup(None, 4), lambda: cache.lookup(5, 4)):
-        with pytest.raises(ValueError, match="tokens must be one sequence of token ids"):
+        with pytest.raises(ValueError, match="(tokens|context) must be one sequence of token ids"):
             call()
     target = tiny_model("llama")
     with pytest.raises(ValueError, match="generate_continuous takes a transformers model"):

@@ -51,7 +51,7 @@ import numbers
 import torch
 from torch import nn
 
-from .quantize import WeightOnlyLinear, _kernel_problem, _tied_head, _untie_config
+from .quantize import WeightOnlyLinear, _kernel_problem, _tied_head, _untie_config, foreign_weights
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +190,7 @@ def pack_linears(model: nn.Module, decode_bits: int | None = None) -> nn.Module:
         raise ValueError("pack_linears packs the Linear layers inside a model, in place: wrap a bare nn.Linear in a "
                          "module (e.g. nn.Sequential(linear)), or use hf_specdec.PackedLinear(linear)")
     names = [name for name, m in model.named_modules() if type(m) is nn.Linear]
+    foreign_weights([(name, model.get_submodule(name)) for name in names], "pack_linears")
     if decode_bits and not names and any(isinstance(m, PackedLinear) for m in model.modules()):
         raise ValueError("this model is packed already: decode_bits adds int8 copies only while packing, so pack "
                          "the model as loaded with pack_linears(model, decode_bits=8)")

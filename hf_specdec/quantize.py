@@ -241,8 +241,18 @@ def _check_arguments(model: nn.Module, bits: int) -> None:
                          "model as loaded")
 
 
+def foreign_weights(layers: list[tuple[str, nn.Linear]], what: str) -> None:
+    """A ValueError for Linear layers whose weights another library quantized already (torchao's tensor
+    subclasses): their raw errors otherwise, from inside that library."""
+    foreign = [(name, type(m.weight).__name__) for name, m in layers if type(m.weight) not in (nn.Parameter, torch.Tensor)]
+    if foreign:
+        raise ValueError(f"{what} needs float weights; {len(foreign)} Linear layers hold a tensor subclass (quantized by "
+                         f"another library, e.g. torchao), e.g. {foreign[:3]}: give {what} the model as loaded (one quantizer, not two)")
+
+
 def _check_layers(todo: list[tuple[str, nn.Linear]], bits: int, group_size: int) -> None:
     """Every layer quantize_weights will replace: a shape the kernel takes, and its weight in memory."""
+    foreign_weights(todo, "quantize_weights")
     for name, module in todo:
         _check_shape(name, module.out_features, module.in_features, bits, group_size)
     meta = [name for name, module in todo if module.weight.device.type == "meta"]

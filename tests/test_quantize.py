@@ -175,6 +175,25 @@ def test_bare_linears_meta_weights_and_odd_skips_are_named():
     assert all(type(m) is not nn.Linear for m in model.model.layers.modules())
 
 
+def test_weights_another_library_quantized_are_named():
+    """From a probe with torchao 0.18: its quantized weights are tensor subclasses, and quantize_weights and
+    pack_linears met them in torchao's raw NotImplementedError (aten.abs on Int8Tensor)."""
+
+    class Quantized(torch.Tensor):  # what a weight quantized by torchao is: a torch.Tensor subclass
+        pass
+
+    model = tiny_model()
+    layer = model.model.layers[0].mlp.up_proj
+    layer._parameters["weight"] = torch.Tensor._make_subclass(Quantized, layer.weight.detach(), False)
+    with pytest.raises(ValueError, match=r"quantize_weights needs float weights; 1 Linear layers hold a tensor subclass.*"
+                                         r"model.layers.0.mlp.up_proj', 'Quantized'"):
+        quantize_weights(model, 8)
+    if hf_specdec.cpu.packing_problem() is None:
+        with pytest.raises(ValueError, match="pack_linears needs float weights"):
+            hf_specdec.pack_linears(model)
+    assert type(layer) is nn.Linear and type(layer.weight) is Quantized  # nothing changed
+
+
 def test_bits_16_is_a_no_op():
     model = tiny_model()
     modules = dict(model.named_modules())

@@ -58,6 +58,7 @@ class SpeculativeDecoderOnlyOutput(GenerateDecoderOnlyOutput):
     cost_model: CostEstimates | None = None
 
 
+@torch.no_grad()  # generate() calls it under no_grad; a direct call under grad mode recorded graphs
 def speculative_generate(
     model: PreTrainedModel,
     input_ids: torch.LongTensor,  # [batch, prompt_len]

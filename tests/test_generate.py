@@ -1103,6 +1103,10 @@ def test_a_direct_call_without_processors_refuses_a_config_that_asks_for_some():
     out = hf_specdec.speculative_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList(),
                                           GenerationConfig(max_length=10, eos_token_id=5), assistant=draft)
     assert out.shape[1] == 10  # lists passed: the caller's, as transformers' decoding methods take them
+    with torch.enable_grad():  # generate() runs under no_grad; a direct call recorded graphs (memory grew with length)
+        out = hf_specdec.speculative_generate(target, ids, None, None, GenerationConfig(max_length=10, output_logits=True,
+                                              return_dict_in_generate=True), assistant=draft)
+    assert not any(logits.requires_grad for logits in out.logits)
     with pytest.raises(ValueError, match=r"num_draft_token \(did you mean num_draft_tokens\?\)"):  # a typo, not an input
         hf_specdec.speculative_generate(target, ids, None, None, GenerationConfig(max_length=10), assistant=draft,
                                         num_draft_token=3)

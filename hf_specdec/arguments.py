@@ -309,19 +309,11 @@ def _validate_holes(model: PreTrainedModel, input_ids: torch.Tensor, continuous:
 
 
 def _attention_implementations(config: Any) -> list[str]:
-    """The attention implementations a config and its sub-configs set (a composite model's text model can
-    be given its own: `set_attn_implementation({"text_config": ...})`)."""
-    found, seen, todo = [], set(), [config]
-    while todo:
-        config = todo.pop()
-        if config is None or id(config) in seen:
-            continue
-        seen.add(id(config))
-        implementation = getattr(config, "_attn_implementation", None)
-        if isinstance(implementation, str) and implementation not in found:
-            found.append(implementation)
-        todo.extend(getattr(config, name, None) for name in (getattr(config, "sub_configs", None) or {}))
-    return found
+    """The attention implementations of a config and of its text model's config (a composite model's text model
+    can be given its own: `set_attn_implementation({"text_config": ...})`; a vision tower never runs here)."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    found = [getattr(c, "_attn_implementation", None) for c in (config, text)]
+    return list(dict.fromkeys(i for i in found if isinstance(i, str)))
 
 
 def _validate_window(windows: list[int], input_ids: torch.Tensor, generation_config: GenerationConfig) -> None:
@@ -456,10 +448,11 @@ def call_defaults(model, input_ids, logits_processor, stopping_criteria, generat
 # Settings that generate() turns into logits processors or stopping criteria, with the value that makes none.
 _PROCESSED = {"repetition_penalty": 1.0, "encoder_repetition_penalty": 1.0, "no_repeat_ngram_size": 0,
               "bad_words_ids": None, "sequence_bias": None, "suppress_tokens": None, "begin_suppress_tokens": None,
-              "min_length": 0, "min_new_tokens": 0, "forced_bos_token_id": None, "forced_eos_token_id": None,
-              "exponential_decay_length_penalty": None, "renormalize_logits": False, "watermarking_config": None,
+              "forced_bos_token_id": None, "forced_eos_token_id": None, "exponential_decay_length_penalty": None,
+              "renormalize_logits": False, "remove_invalid_values": False, "watermarking_config": None,
               "guidance_scale": 1.0}
-_WARPED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0,
+_WITH_EOS = {"min_length": 0, "min_new_tokens": 0}  # processors only where an eos is set
+_WARPED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
            "eta_cutoff": 0.0, "top_h": None}  # sampling only
 _STOPPED = {"eos_token_id": None, "stop_strings": None, "max_time": None}
 
@@ -470,9 +463,10 @@ def _check_unprepared(generation_config: GenerationConfig, no_processors: bool, 
     temperature, top-k or EOS were ignored without a word)."""
     def asked(settings: dict) -> list[str]:
         return [name for name, neutral in settings.items()
-                if getattr(generation_config, name, None) not in (None, neutral, [], ())]
+                if getattr(generation_config, name, None) not in (None, neutral, [], (), {})]
 
-    unread = (asked(_PROCESSED) + (asked(_WARPED) if generation_config.do_sample else [])) * no_processors
+    eos = generation_config.eos_token_id not in (None, [], ())
+    unread = (asked(_PROCESSED) + asked(_WITH_EOS) * eos + asked(_WARPED) * bool(generation_config.do_sample)) * no_processors
     unread += asked(_STOPPED) * no_criteria
     if unread:
         raise ValueError(f"a direct call of speculative_generate applies the logits_processor and stopping_criteria "

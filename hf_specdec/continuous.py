@@ -97,7 +97,7 @@ class Requests:
         self,
         prompts: Iterable[PromptItem],
         max_batch_size: int,
-        device: torch.device,
+        device: torch.device | int | str,
         on_result: Callable[[StreamResult], None] | None = None,
         progress: bool = False,
         vocab_size: int | None = None,
@@ -328,12 +328,17 @@ def _setting(name: str, kwargs: dict, model: PreTrainedModel) -> Any:
     return None
 
 
-def _input_device(model: PreTrainedModel) -> torch.device:
+def _input_device(model: PreTrainedModel) -> torch.device | int | str:
     """Where prompts go: the model's device, or for weights that accelerate offloaded (`model.device` is meta)
-    the device its hooks run the forward on, the CPU where they name none (they move inputs there)."""
+    the device its hooks run the embedding on, as accelerate names it (0 for the first accelerator), the CPU
+    where none is named."""
     if model.device.type != "meta":
         return model.device
-    return getattr(getattr(model, "_hf_hook", None), "execution_device", None) or torch.device("cpu")
+    for module in (model.get_input_embeddings(), model):
+        device = getattr(getattr(module, "_hf_hook", None), "execution_device", None)
+        if device is not None:
+            return device
+    return torch.device("cpu")
 
 
 def learned_positions(model: PreTrainedModel) -> bool:

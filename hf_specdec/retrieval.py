@@ -379,9 +379,8 @@ class RetrievalCache:
 
     def _tail(self, context: Sequence[int]) -> list[int]:
         """The last `self.context` tokens of a prompt, the ones stored."""
-        if isinstance(context, (str, bytes)):
-            return self._ids(context, "context")
-        return self._ids(_last(() if context is None else context, self.context), "context") if self.context else []
+        tail = self._ids(_last(() if context is None else context, max(1, self.context)), "context")  # None: none
+        return tail if self.context else []  # checked even where none is kept
 
     def _add(self, tokens: list[int]) -> None:
         if not tokens:

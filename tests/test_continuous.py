@@ -270,6 +270,10 @@ def test_a_target_that_accelerate_offloaded_streams():
     for prompt, result in zip(prompts, results):
         plain = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):]
         assert result.ok and result.tokens.tolist() == plain.tolist()
+    from hf_specdec.continuous import _input_device
+
+    offloaded.get_input_embeddings()._hf_hook.execution_device = 0  # accelerate's name for the first accelerator
+    assert _input_device(offloaded) == 0  # the hooks' device, not a falsy 0 read as none (no GPU here to run on)
 
 
 def test_a_stream_refuses_a_deadline_and_a_single_prompt_and_names_a_failed_loop():

@@ -1097,7 +1097,11 @@ def test_a_direct_call_without_processors_refuses_a_config_that_asks_for_some():
                           (GenerationConfig(max_length=10, repetition_penalty=1.3), "repetition_penalty")):
         with pytest.raises(ValueError, match=f"so {named} of the GenerationConfig would be ignored"):
             hf_specdec.speculative_generate(target, ids, None, None, config, assistant=draft)
-    neutral = GenerationConfig(max_length=10, do_sample=False, temperature=0.01, top_k=1, repetition_penalty=1.0)
+    with pytest.raises(ValueError, match="so remove_invalid_values of"):
+        hf_specdec.speculative_generate(target, ids, None, None, GenerationConfig(max_length=10, remove_invalid_values=True),
+                                        assistant=draft)
+    neutral = GenerationConfig(max_length=10, do_sample=False, temperature=0.01, top_k=1, repetition_penalty=1.0,
+                               min_new_tokens=3, sequence_bias={})  # no eos: transformers builds no min-length processor
     out = hf_specdec.speculative_generate(target, ids, None, None, neutral, assistant=draft)  # greedy reads no warper
     assert torch.equal(out, target.generate(ids, max_length=10, do_sample=False))
     out = hf_specdec.speculative_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList(),

@@ -190,6 +190,8 @@ def test_bad_settings_and_tokens_are_refused_by_name(kwargs, name):
     for context_size in (4, 0):  # a bad context was named as bad tokens, and ignored where no context is kept
         with pytest.raises(ValueError, match="context must be one sequence of token ids, got str"):
             RetrievalCache(context=context_size).add([1, 2, 3], context="the prompt")
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            RetrievalCache(context=context_size).add([1, 2, 3], context=[1.5])
     for bad in (dict(max_branches=0), dict(max_branches=-1), dict(min_match="a")):  # -1 dropped a branch silently
         with pytest.raises(ValueError, match="RetrievalCache.lookup: (max_branches|min_match)"):
             cache.lookup([5], 2, **bad)

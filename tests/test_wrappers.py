@@ -218,6 +218,9 @@ def test_a_sub_config_attention_implementation_without_a_mask_function_is_refuse
     assert target.config._attn_implementation == "sdpa"
     with pytest.raises(hf_specdec.UnsupportedCacheError, match="'hf_specdec_test_text_only' has no mask function"):
         spec(target, assistant=draft)
+    AttentionInterface.register("hf_specdec_test_vision_only", sdpa_attention_forward)  # the vision tower never runs
+    target.set_attn_implementation({"text_config": "sdpa", "vision_config": "hf_specdec_test_vision_only", "": "sdpa"})
+    assert torch.equal(spec(target, assistant=draft), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
 
 
 def test_a_meta_default_device_and_models_without_accessors():

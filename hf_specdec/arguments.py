@@ -109,17 +109,7 @@ def validate(
             "a custom_generate callable sees it), or `assistant_model=draft_model` with the directory form "
             "(custom_generate=hf_specdec.CUSTOM_GENERATE_DIR, trust_remote_code=True)."
         )
-    if model.config.is_encoder_decoder:
-        raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    if model.config.model_type == "xlm":
-        raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
-                         "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
-                         "lacks. Use plain generate() for XLM.")
-    if getattr(model.config, "is_decoder", None) is False and model.config.model_type in _CAUSAL_ONLY_AS_DECODER:
-        raise ValueError(
-            f"the target ({type(model).__name__}) has is_decoder=False, so it attends in both directions (transformers "
-            "warns about it): in a forward over several new tokens each would see the ones after it, and the output "
-            "would differ from plain decoding. Load it with is_decoder=True (from_pretrained(..., is_decoder=True)).")
+    _validate_family(model, generation_config)
     _validate_drafter(model, candidate_generator, input_ids.shape[0], rows)
     _validate_model_inputs(model_kwargs)
     _validate_padding(model_kwargs.get("attention_mask"), input_ids, generation_config.pad_token_id)
@@ -138,6 +128,41 @@ def validate(
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
+
+
+_OWN_POSITIONS = ("kosmos-2", "kosmos-2.5", "csm")
+_ONE_TOKEN_STEPS = ("prophetnet", "xlm-prophetnet")
+
+
+def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig) -> None:
+    """Targets whose forward over several new tokens cannot equal plain decoding's one-token steps, by family."""
+    config, kind = model.config, model.config.model_type
+    if config.is_encoder_decoder:
+        raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
+    if kind == "xlm":
+        raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
+                         "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
+                         "lacks. Use plain generate() for XLM.")
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    both_ways = (getattr(config, "is_decoder", None) is False and kind in _CAUSAL_ONLY_AS_DECODER and "is_decoder=False") \
+        or next((f"{c.model_type}'s use_bidirectional_attention=True" for c in (config, text)
+                 if getattr(c, "use_bidirectional_attention", False) is True), None)
+    if both_ways:  # PaliGemma sets use_bidirectional_attention on its text model
+        raise ValueError(
+            f"the target ({type(model).__name__}) has {both_ways}, so it attends in both directions: in a forward over "
+            "several new tokens each would see the ones after it, and the output would differ from plain decoding."
+            + (" Load it with is_decoder=True (from_pretrained(..., is_decoder=True))." if "is_decoder" in both_ways else ""))
+    if kind in _OWN_POSITIONS or kind in _ONE_TOKEN_STEPS:
+        why = (f"works out its positions from input_ids itself (its prepare_inputs_for_generation drops position_ids), "
+               "so the positions hf_specdec's forwards pass would shift them") if kind in _OWN_POSITIONS else \
+            "takes one new token a forward once it has a cache, and hf_specdec verifies several"
+        raise ValueError(f"{type(model).__name__} {why}. Use plain generate() for this model.")
+    window = getattr(config, "sliding_window", None)
+    if kind == "moshi" and isinstance(window, int) and generation_config.max_length >= window:
+        raise UnsupportedCacheError(f"Moshi's cache keeps a sliding window of {window} tokens but its attention mask "
+                                    "applies none, so a forward over several new tokens past the window sees more columns "
+                                    f"than plain decoding's one-token steps; max_length is {generation_config.max_length}. "
+                                    f"Keep prompt and new tokens under {window}, or use plain generate().")
 
 
 def _validate_call(input_ids, generation_config: GenerationConfig, assistant, candidate_generator, continuous: bool) -> None:

@@ -215,3 +215,45 @@ def test_rotary_frequencies_chosen_by_a_forwards_length_are_refused_past_their_s
         # a batch: a row that finishes leaves, and the others' positions may fall back under the context
         with pytest.raises(ValueError, match="rotary embedding is 'longrope'"):
             target.generate(longer.repeat(2, 1), max_new_tokens=30, **kwargs)
+
+
+def _family_models():
+    from transformers import (Kosmos2_5Config, Kosmos2_5ForConditionalGeneration, MoshiConfig, MoshiForCausalLM,
+                              PaliGemmaConfig, PaliGemmaForConditionalGeneration, ProphetNetConfig, ProphetNetForCausalLM)
+
+    torch.manual_seed(0)
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
+    yield "PaliGemma", "use_bidirectional_attention=True, so it attends in both directions", PaliGemmaForConditionalGeneration(
+        PaliGemmaConfig(text_config=dict(small, model_type="gemma", vocab_size=256, num_key_value_heads=2, head_dim=16),
+                        vision_config=dict(small, model_type="siglip_vision_model", image_size=32, patch_size=8),
+                        vocab_size=256, image_token_index=255, projection_dim=64, hidden_size=64))
+    kosmos = Kosmos2_5Config().to_dict()
+    yield "Kosmos-2.5", "works out its positions from input_ids itself", Kosmos2_5ForConditionalGeneration(Kosmos2_5Config(
+        text_config=dict(kosmos["text_config"], vocab_size=256, embed_dim=64, ffn_dim=128, layers=2, attention_heads=4),
+        vision_config=dict(kosmos["vision_config"], **small), latent_query_num=4))
+    yield "ProphetNet", "takes one new token a forward once it has a cache", ProphetNetForCausalLM(ProphetNetConfig(
+        vocab_size=256, hidden_size=64, encoder_ffn_dim=128, decoder_ffn_dim=128, num_encoder_layers=2, num_decoder_layers=2,
+        num_encoder_attention_heads=4, num_decoder_attention_heads=4, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    moshi = MoshiConfig().to_dict()
+    depth = dict(moshi["depth_decoder_config"], **small, num_key_value_heads=2, head_dim=16, audio_vocab_size=64,
+                 vocab_size=256, num_codebooks=2, input_size=64)
+    yield "Moshi", "Moshi's cache keeps a sliding window of 16 tokens but its attention mask applies none", MoshiForCausalLM(
+        MoshiConfig(**{**moshi, **small, "vocab_size": 256, "num_key_value_heads": 2, "head_dim": 16, "sliding_window": 16,
+                       "audio_vocab_size": 64, "num_codebooks": 2, "depth_decoder_config": depth}))
+
+
+def test_models_whose_several_token_forwards_differ_by_family_are_refused_by_name():
+    """From a sweep of every causal-LM class in transformers 5.25. Before: PaliGemma (its text model attends both ways),
+    Kosmos-2.5 (it numbers positions itself) and Moshi past its window (its cache slides, its mask does not) differed
+    from plain greedy without a word; ProphetNet's decoder failed in its own assertion once a round drafted."""
+    ids = torch.tensor([[85, 55, 172, 183, 189, 175, 153, 28, 245, 243]])
+    for name, message, target in _family_models():
+        target.eval().generation_config.eos_token_id = None
+        draft = perturbed(target, 0.01)
+        with pytest.raises(ValueError, match=message):
+            target.generate(ids, max_new_tokens=12, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+                            assistant=draft, num_draft_tokens=4, adaptive=False)
+        if name == "Moshi":  # inside its window, it runs and equals plain
+            out = target.generate(ids, max_new_tokens=5, do_sample=False, custom_generate=hf_specdec.speculative_generate,
+                                  assistant=draft, num_draft_tokens=4, adaptive=False)
+            assert torch.equal(out, target.generate(ids, max_new_tokens=5, do_sample=False))

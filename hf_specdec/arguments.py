@@ -290,16 +290,19 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     """The windows of `model`'s attention (sliding-window cache layers, local attention); a named error for layers the loop cannot roll
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
+    instead = "Use plain generate() for this model." if who == "target" else "Use another draft model."
     if not (forward_takes(model, "cache") or forward_takes(model, "past_key_values")):
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) takes no key-value cache (its forward has no past_key_values or cache "
-            "argument): hf_specdec rolls rejected tokens back by cutting cache columns. Use plain generate() for this model.")
+            f"argument): hf_specdec rolls rejected tokens back by cutting cache columns. {instead}")
     own = getattr(type(model), "_supports_default_dynamic_cache", None)  # read, never patched
     if callable(own) and not own():  # MiniMax's linear-attention family: a cache class of its own, which cannot crop
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) decodes with a cache class of its own, not a DynamicCache (transformers' "
-            "generate() makes it one): hf_specdec rolls rejected tokens back by cutting DynamicCache columns. Use plain "
-            "generate() for this model.")
+            f"generate() makes it one): hf_specdec rolls rejected tokens back by cutting DynamicCache columns. {instead}")
+    if model.config.model_type in ("xlm", *_ONE_TOKEN_STEPS):  # a target is refused by family before this
+        raise ValueError(f"the {who} ({type(model).__name__}) cannot take several new tokens after a cache in one forward "
+                         f"(XLM cuts the sequence itself; ProphetNet's decoder takes one token a step). {instead}")
     layers = DynamicCache(config=model.config).layers
     other = sorted({f"{type(layer).__name__} ({_layer_kind(layer)})" for layer in layers
                     if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})  # subclasses keep more than columns
@@ -307,7 +310,7 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
         raise UnsupportedCacheError(
             f"the {who} has cache layers of type {', '.join(other)}: hf_specdec rolls rejected tokens back by "
             "cutting cache columns, which needs attention layers that keep their own keys and values (full or "
-            "sliding-window). Use plain generate() for this model.")
+            f"sliding-window). {instead}")
     local = local_window(model.config)  # local attention in full-attention cache layers counts columns too
     return [layer.sliding_window for layer in layers if isinstance(layer, DynamicSlidingWindowLayer)] + (
         [] if local is None else [local])

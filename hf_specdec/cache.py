@@ -233,16 +233,16 @@ def extend(
 ) -> torch.Tensor:  # [batch, num_logits, vocab]: raw logits of the last num_logits positions
     """Run `model` over the tokens of `input_ids` that `cache` has not seen, growing the cache."""
     past = cache.get_seq_length()
-    new_ids = input_ids[:, past:]  # [batch, seq - past]
+    new_ids = input_ids[:, past:].contiguous()  # [batch, seq - past]; generate() feeds contiguous tensors
     if new_ids.shape[1] < num_logits:
         raise RuntimeError(f"asked for {num_logits} logits but only {new_ids.shape[1]} tokens are new")
     position_ids = None  # a model that takes none numbers the new tokens by their cache columns
     if attention_mask is not None:
         # Left padding: a token's position counts only the real tokens before it (as generate() does).
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:]
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp_min(0)[:, past:].contiguous()  # Kosmos-2.5 views it
     elif forward_takes(model, "position_ids"):  # given as generate() gives them: some models (RoBERTa's
         # family) number from their padding id when given none
-        position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids)
+        position_ids = torch.arange(past, past + new_ids.shape[1], device=new_ids.device)[None].expand_as(new_ids).contiguous()
     kwargs = {"logits_to_keep": num_logits} if forward_takes(model, "logits_to_keep") else {}
     if attention_mask is not None:  # (passed only when there is one: a forward of one's own may take neither)
         kwargs.update(attention_mask=attention_mask)

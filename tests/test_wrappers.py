@@ -154,6 +154,16 @@ class NoMask(LlamaForCausalLM):
         return super().forward(input_ids=input_ids, position_ids=position_ids, cache=cache, use_cache=use_cache)
 
 
+class Viewing(LlamaForCausalLM):
+    """Views its ids and positions flat, as Kosmos-2.5's sinusoidal positions do: plain generate() feeds contiguous
+    tensors."""
+
+    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, **kwargs):
+        input_ids.view(-1), position_ids.view(-1)  # raises on a strided slice
+        return super().forward(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, cache=cache,
+                               **kwargs)
+
+
 def own(cls, seed=3):
     base = tiny_model("llama", vocab=64, seed=seed)
     model = cls(base.config).eval()
@@ -180,6 +190,30 @@ def test_a_model_of_ones_own_gets_no_tree_mask_and_no_mask_it_cannot_read():
         spec(target, prompt.repeat(2, 1), assistant=draft, attention_mask=torch.ones(2, 12, dtype=torch.long))
     with pytest.raises(hf_specdec.UnsupportedCacheError, match="continuous batching: .*NoMask takes no attention mask"):
         hf_specdec.generate_continuous(target, [[1, 5, 9]], assistant=draft, max_new_tokens=4)
+
+
+def test_forwards_get_contiguous_ids_and_positions():
+    """From a sweep of every causal-LM class as the draft. Before: a left-padded batch's cached forwards got a
+    strided slice of positions, and Kosmos-2.5 (which views them flat) failed raw where plain generate() ran."""
+    target, draft = own(Viewing), own(Viewing, seed=4)
+    prompt, mask = torch.tensor([[0, 0, 1, 5, 9, 2], [1, 5, 9, 2, 7, 3]]), torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6])
+    out = spec(target, prompt, assistant=draft, attention_mask=mask, pad_token_id=0, num_draft_tokens=4, adaptive=False)
+    assert torch.equal(out, target.generate(prompt, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False))
+
+
+def test_drafts_that_take_one_token_after_a_cache_are_named():
+    """From the same sweep. Before: XLM and ProphetNet as drafts failed inside their forwards (a size error; an
+    AssertionError once a round fed the draft several tokens); as targets they were already refused by name."""
+    from transformers import ProphetNetConfig, ProphetNetForCausalLM, XLMConfig, XLMWithLMHeadModel
+
+    target = tiny_model("llama", vocab=64, seed=3)
+    for draft in (XLMWithLMHeadModel(XLMConfig(vocab_size=64, emb_dim=32, n_layers=1, n_heads=4, causal=True)),
+                  ProphetNetForCausalLM(ProphetNetConfig(vocab_size=64, hidden_size=32, encoder_ffn_dim=64, decoder_ffn_dim=64,
+                                                         num_encoder_layers=1, num_decoder_layers=1, num_encoder_attention_heads=4,
+                                                         num_decoder_attention_heads=4))):
+        with pytest.raises(ValueError, match=f"the draft model .assistant. .{type(draft).__name__}. cannot take several new "
+                                             "tokens after a cache.*Use another draft model"):
+            spec(target, assistant=draft.eval())
 
 
 def test_an_attention_implementation_without_a_mask_function_is_refused():

@@ -234,13 +234,10 @@ def test_an_attention_implementation_without_a_mask_function_is_refused():
     assert torch.equal(spec(target, assistant=draft), target.generate(PROMPT, max_new_tokens=12, do_sample=False))
 
 
-def test_a_sub_config_attention_implementation_without_a_mask_function_is_refused():
-    """A composite model's text model can take its own implementation (set_attn_implementation({"text_config": ...}))
-    while the top-level config says 'sdpa'. Before: only the top level was checked, and greedy differed from plain."""
-    from transformers import AttentionInterface, Gemma3Config, Gemma3ForConditionalGeneration, LlamaConfig
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+def gemma3_and_draft():
+    """A tiny Gemma 3 image-text model, a Llama draft of its vocabulary, and the text and vision settings."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, LlamaConfig
 
-    AttentionInterface.register("hf_specdec_test_text_only", sdpa_attention_forward)
     torch.manual_seed(0)
     text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 head_dim=16, vocab_size=256)
@@ -248,6 +245,17 @@ def test_a_sub_config_attention_implementation_without_a_mask_function_is_refuse
     target = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision)).eval()
     draft = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                                          num_key_value_heads=1, vocab_size=256)).eval()
+    return target, draft, text, vision
+
+
+def test_a_sub_config_attention_implementation_without_a_mask_function_is_refused():
+    """A composite model's text model can take its own implementation (set_attn_implementation({"text_config": ...}))
+    while the top-level config says 'sdpa'. Before: only the top level was checked, and greedy differed from plain."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    AttentionInterface.register("hf_specdec_test_text_only", sdpa_attention_forward)
+    target, draft, _, _ = gemma3_and_draft()
     target.set_attn_implementation({"text_config": "hf_specdec_test_text_only", "vision_config": "sdpa", "": "sdpa"})
     assert target.config._attn_implementation == "sdpa"
     with pytest.raises(hf_specdec.UnsupportedCacheError, match="'hf_specdec_test_text_only' has no mask function"):
@@ -292,16 +300,9 @@ def test_a_multimodal_target_runs_on_text_and_names_images():
     class (Gemma 3, Qwen2-VL, Llava, ... 20 in transformers 5.25) was refused on text alone, naming an argument the
     caller never passed; and GIT, whose cached forwards widen a 2-D mask by its image tokens, gave a batch that
     differed from plain without a word."""
-    from transformers import (Gemma3Config, Gemma3ForConditionalGeneration, GitConfig, GitForCausalLM, LlamaConfig,
-                              LlavaConfig, LlavaForConditionalGeneration)
+    from transformers import GitConfig, GitForCausalLM, LlavaConfig, LlavaForConditionalGeneration
 
-    torch.manual_seed(0)
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                head_dim=16, vocab_size=256)
-    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2)
-    target = Gemma3ForConditionalGeneration(Gemma3Config(text_config=text, vision_config=vision)).eval()
-    draft = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                                         num_key_value_heads=1, vocab_size=256)).eval()
+    target, draft, text, vision = gemma3_and_draft()
     ids, mask = torch.tensor([[15, 16, 17, 18, 19, 20, 21], [0, 0, 40, 41, 42, 43, 44]]), torch.ones(2, 7, dtype=torch.long)
     mask[1, :2] = 0
     for rows in (1, 2):

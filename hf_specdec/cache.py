@@ -125,6 +125,18 @@ def can_gather(caches: Iterable[Cache | None]) -> bool:
     return all(type(layer) is DynamicLayer for c in caches if c is not None for layer in c.layers)
 
 
+def gather_problem(caches: dict[str, Cache | None]) -> str | None:
+    """Why continuous batching cannot gather these caches (by model name), or None where it can."""
+    who = [name for name, cache in caches.items() if not can_gather((cache,))]
+    kinds = sorted({type(layer).__name__ for name in who for layer in caches[name].layers if type(layer) is not DynamicLayer})
+    if not who:
+        return None
+    return (f"continuous batching needs full-attention cache layers, and the {' and the '.join(who)} "
+            f"{'has' if len(who) == 1 else 'have'} {', '.join(kinds)} layers (rows join by gathering cache columns; a "
+            "sliding window keeps a window, not columns). Use a left-padded batch or one prompt at a time"
+            + (", or a draft with full attention" if who == ["draft"] else "") + ".")
+
+
 def gather_columns(
     caches: Iterable[Cache | None],
     order: torch.Tensor,  # [rows, width]: for each row, the column indices (from `start`) to keep, in order

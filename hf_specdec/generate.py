@@ -29,7 +29,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .arguments import (OWN_ARGUMENTS, StreamerNotForwardedError, call_defaults, check_arguments, continuous_settings,
                         draft_model, kept_streamer, refuse_dropped_streamer, validate, validate_retrieval_cache)
 from .batch import RaggedBatch
-from .cache import (UnsupportedCacheError, can_gather, column_bound, make_rollbackable, new_cache, rollback,
+from .cache import (UnsupportedCacheError, can_gather, column_bound, gather_problem, make_rollbackable, new_cache, rollback,
                     stop_recording)
 from .config import NGRAM_MAX_SIZE, Costs, SpeculativeConfig
 from .continuous import Requests, learned_positions
@@ -260,9 +260,8 @@ def _start(
                 planner.acceptance.retrieval[CACHE] = retrieval_cache.acceptance
             lookup = Retrieval(NgramDrafter(NGRAM_MAX_SIZE, config.ngram_min_size), retrieval_cache,
                                planner.acceptance.lookup_at, vocab=vocab)
-        if requests is not None and not can_gather((cache, drafter.cache)):
-            raise UnsupportedCacheError("continuous batching needs full-attention cache layers in both models "
-                                        "(rows join by gathering cache columns; sliding-window layers keep a window)")
+        if requests is not None and (problem := gather_problem({"target": cache, "draft": drafter.cache})):
+            raise UnsupportedCacheError(problem)
         write_record, close_sink = open_sink(acceptance_sink)
         batch = RaggedBatch(input_ids, model_kwargs.get("attention_mask"),
                             generation_config.max_length - input_ids.shape[1])

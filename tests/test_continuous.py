@@ -212,8 +212,11 @@ def test_continuous_batching_refuses_what_it_cannot_do():
     config = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4, pad_token_id=0)
     sliding = MistralForCausalLM(config).eval()
-    with pytest.raises(UnsupportedCacheError, match="full-attention"):
+    with pytest.raises(UnsupportedCacheError, match="full-attention cache layers, and the target and the draft have "
+                                                    "DynamicSlidingWindowLayer layers"):
         hf_specdec.generate_continuous(sliding, [[1, 2, 3]], assistant=perturbed(sliding, 0.5), max_new_tokens=3)
+    with pytest.raises(UnsupportedCacheError, match="the draft has DynamicSlidingWindowLayer layers.*or a draft with full"):
+        hf_specdec.generate_continuous(tiny_model("llama", seed=35), [[1, 2, 3]], assistant=sliding, max_new_tokens=3)
 
 
 def test_a_prompts_attention_mask_drops_its_padding():

@@ -134,6 +134,14 @@ _OWN_POSITIONS = ("kosmos-2", "kosmos-2.5", "csm")
 _ONE_TOKEN_STEPS = ("prophetnet", "xlm-prophetnet")
 
 
+def text_config(config: Any) -> Any:
+    """A composite config's text model's (`get_text_config`), the config itself where it has none or several."""
+    try:
+        return config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    except ValueError:  # "Multiple valid text configs were found"
+        return config
+
+
 def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig) -> None:
     """Targets whose forward over several new tokens cannot equal plain decoding's one-token steps, by family."""
     config, kind = model.config, model.config.model_type
@@ -143,7 +151,7 @@ def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig
         raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
                          "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
                          "lacks. Use plain generate() for XLM.")
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     both_ways = (getattr(config, "is_decoder", None) is False and kind in _CAUSAL_ONLY_AS_DECODER and "is_decoder=False") \
         or next((f"{c.model_type}'s use_bidirectional_attention=True" for c in (config, text)
                  if getattr(c, "use_bidirectional_attention", False) is True), None)
@@ -339,7 +347,7 @@ def _validate_holes(model: PreTrainedModel, input_ids: torch.Tensor, continuous:
 def _attention_implementations(config: Any) -> list[str]:
     """The attention implementations of a config and of its text model's config (a composite model's text model
     can be given its own: `set_attn_implementation({"text_config": ...})`; a vision tower never runs here)."""
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    text = text_config(config)
     found = [getattr(c, "_attn_implementation", None) for c in (config, text)]
     return list(dict.fromkeys(i for i in found if isinstance(i, str)))
 
@@ -716,7 +724,7 @@ def _validate_rope(config, shape: tuple[int, int], max_length: int, continuous: 
     grows them at every new length past the original context, "longrope" switches to its long factors
     once a forward passes it. A verify forward covers positions ahead of plain decoding's one-token step
     (a stream's forward, other prompts' too), so past that point the frequencies change earlier."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    config = text_config(config)
     params = getattr(config, "rope_parameters", None) or {}
     nested = isinstance(params, dict) and params and all(isinstance(v, dict) or v is None for v in params.values())
     for group in [g for g in (params.values() if nested else [params]) if isinstance(g, dict)]:

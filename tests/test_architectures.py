@@ -257,3 +257,16 @@ def test_models_whose_several_token_forwards_differ_by_family_are_refused_by_nam
             out = target.generate(ids, max_new_tokens=5, do_sample=False, custom_generate=hf_specdec.speculative_generate,
                                   assistant=draft, num_draft_tokens=4, adaptive=False)
             assert torch.equal(out, target.generate(ids, max_new_tokens=5, do_sample=False))
+
+
+def test_a_config_with_several_text_configs_is_read_as_itself():
+    """get_text_config raises for configs holding several (MusicGen's text encoder and decoder); the checks that read
+    a composite model's text config must not fail there in transformers' ValueError."""
+    from transformers import MusicgenConfig
+
+    from hf_specdec.arguments import text_config
+
+    config = MusicgenConfig()
+    with pytest.raises(ValueError, match="Multiple valid text configs"):
+        config.get_text_config()
+    assert text_config(config) is config

@@ -130,8 +130,22 @@ def validate(
         _validate_layers(assistant, "draft model (assistant)")
 
 
-_OWN_POSITIONS = ("kosmos-2", "kosmos-2.5", "csm")
-_ONE_TOKEN_STEPS = ("prophetnet", "xlm-prophetnet")
+_OWN_POSITIONS = ("kosmos-2", "kosmos-2.5", "kosmos_2_text_model", "kosmos_2_5_text_model", "csm", "csm_depth_decoder_model")
+_ONE_TOKEN_STEPS = ("prophetnet",)
+
+
+def _bidirectional(config: Any) -> str | None:
+    """A config (or its text model's) that attends both ways (PaliGemma sets use_bidirectional_attention on its
+    Gemma text model), said as the setting. Gemma and Gemma 2 still build a causal mask, which eager attention
+    applies (sdpa and flash attention take the flag as is_causal=False), so only there it runs."""
+    for c in (config, text_config(config)):
+        flag = getattr(c, "use_bidirectional_attention", None)
+        if flag is True or flag == "all":  # Gemma 4: "all" or "vision" (images only)
+            eager = c.model_type in ("gemma", "gemma2") and getattr(c, "_attn_implementation", None) == "eager"
+            if not eager:
+                extra = " outside eager attention" if c.model_type in ("gemma", "gemma2") else ""
+                return f"{c.model_type}'s use_bidirectional_attention={flag!r}{extra}"
+    return None
 
 
 def text_config(config: Any) -> Any:
@@ -151,15 +165,14 @@ def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig
         raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
                          "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
                          "lacks. Use plain generate() for XLM.")
-    text = text_config(config)
     both_ways = (getattr(config, "is_decoder", None) is False and kind in _CAUSAL_ONLY_AS_DECODER and "is_decoder=False") \
-        or next((f"{c.model_type}'s use_bidirectional_attention=True" for c in (config, text)
-                 if getattr(c, "use_bidirectional_attention", False) is True), None)
-    if both_ways:  # PaliGemma sets use_bidirectional_attention on its text model
+        or _bidirectional(config)
+    if both_ways:
         raise ValueError(
             f"the target ({type(model).__name__}) has {both_ways}, so it attends in both directions: in a forward over "
             "several new tokens each would see the ones after it, and the output would differ from plain decoding."
-            + (" Load it with is_decoder=True (from_pretrained(..., is_decoder=True))." if "is_decoder" in both_ways else ""))
+            + (" Load it with is_decoder=True (from_pretrained(..., is_decoder=True))." if "is_decoder" in both_ways else
+               " Load it with attn_implementation='eager', whose mask stays causal." if "eager" in both_ways else ""))
     if kind in _OWN_POSITIONS or kind in _ONE_TOKEN_STEPS:
         why = (f"works out its positions from input_ids itself (its prepare_inputs_for_generation drops position_ids), "
                "so the positions hf_specdec's forwards pass would shift them") if kind in _OWN_POSITIONS else \

@@ -133,7 +133,8 @@ def gather_problem(caches: dict[str, Cache | None]) -> str | None:
         return None
     return (f"continuous batching needs full-attention cache layers, and the {' and the '.join(who)} "
             f"{'has' if len(who) == 1 else 'have'} {', '.join(kinds)} layers (rows join by gathering cache columns; a "
-            "sliding window keeps a window, not columns). Use a left-padded batch or one prompt at a time"
+            "sliding window keeps a window, not columns). Use a left-padded batch (while it fits the window) or one prompt "
+            "at a time"
             + (", or a draft with full attention" if who == ["draft"] else "") + ".")
 
 

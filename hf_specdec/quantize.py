@@ -216,10 +216,9 @@ def _untie_config(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None:
         return
-    configs = [config]
-    if hasattr(config, "get_text_config"):
-        configs.append(config.get_text_config())
-    for c in configs:
+    from .arguments import text_config
+
+    for c in (config, text_config(config)):
         if getattr(c, "tie_word_embeddings", False):
             c.tie_word_embeddings = False
 

@@ -174,7 +174,7 @@ def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig
             + (" Load it with is_decoder=True (from_pretrained(..., is_decoder=True))." if "is_decoder" in both_ways else
                " Load it with attn_implementation='eager', whose mask stays causal." if "eager" in both_ways else ""))
     if kind in _OWN_POSITIONS or kind in _ONE_TOKEN_STEPS:
-        why = (f"works out its positions from input_ids itself (its prepare_inputs_for_generation drops position_ids), "
+        why = ("works out its positions from input_ids itself (its prepare_inputs_for_generation drops position_ids), "
                "so the positions hf_specdec's forwards pass would shift them") if kind in _OWN_POSITIONS else \
             "takes one new token a forward once it has a cache, and hf_specdec verifies several"
         raise ValueError(f"{type(model).__name__} {why}. Use plain generate() for this model.")

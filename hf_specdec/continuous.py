@@ -322,7 +322,7 @@ def _setting(name: str, kwargs: dict, model: PreTrainedModel) -> Any:
     if name in kwargs:
         return kwargs[name]
     given = kwargs.get("generation_config")
-    for value in (kwargs.get(name), getattr(given, name, None), getattr(model.generation_config, name, None)):
+    for value in (getattr(given, name, None), getattr(model.generation_config, name, None)):
         if value is not None:
             return value
     return None

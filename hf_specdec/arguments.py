@@ -131,7 +131,10 @@ def validate(
 
 
 _OWN_POSITIONS = ("kosmos-2", "kosmos-2.5", "kosmos_2_text_model", "kosmos_2_5_text_model", "csm", "csm_depth_decoder_model")
-_ONE_TOKEN_STEPS = ("prophetnet",)
+_ONE_TOKEN_STEPS = {  # model type: why its forward cannot take several new tokens after a cache
+    "xlm": "XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and attends both "
+           "ways unless causal=True",
+    "prophetnet": "ProphetNet's decoder takes one new token a forward once it has a cache"}
 
 
 def _bidirectional(config: Any) -> str | None:
@@ -161,10 +164,6 @@ def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig
     config, kind = model.config, model.config.model_type
     if config.is_encoder_decoder:
         raise ValueError("hf_specdec supports decoder-only models; the target is an encoder-decoder model.")
-    if kind == "xlm":
-        raise ValueError("XLM's language-model head takes the whole sequence beside its cache and cuts it itself, and "
-                         "attends both ways unless causal=True: hf_specdec feeds a forward only the tokens the cache "
-                         "lacks. Use plain generate() for XLM.")
     both_ways = (getattr(config, "is_decoder", None) is False and kind in _CAUSAL_ONLY_AS_DECODER and "is_decoder=False") \
         or _bidirectional(config)
     if both_ways:
@@ -173,11 +172,10 @@ def _validate_family(model: PreTrainedModel, generation_config: GenerationConfig
             "several new tokens each would see the ones after it, and the output would differ from plain decoding."
             + (" Load it with is_decoder=True (from_pretrained(..., is_decoder=True))." if "is_decoder" in both_ways else
                " Load it with attn_implementation='eager', whose mask stays causal." if "eager" in both_ways else ""))
-    if kind in _OWN_POSITIONS or kind in _ONE_TOKEN_STEPS:
-        why = ("works out its positions from input_ids itself (its prepare_inputs_for_generation drops position_ids), "
-               "so the positions hf_specdec's forwards pass would shift them") if kind in _OWN_POSITIONS else \
-            "takes one new token a forward once it has a cache, and hf_specdec verifies several"
-        raise ValueError(f"{type(model).__name__} {why}. Use plain generate() for this model.")
+    if kind in _OWN_POSITIONS:
+        raise ValueError(f"{type(model).__name__} works out its positions from input_ids itself (its "
+                         "prepare_inputs_for_generation drops position_ids), so the positions hf_specdec's forwards pass "
+                         "would shift them. Use plain generate() for this model.")
     window = getattr(config, "sliding_window", None)
     if kind == "moshi" and isinstance(window, int) and generation_config.max_length >= window:
         raise UnsupportedCacheError(f"Moshi's cache keeps a sliding window of {window} tokens but its attention mask "
@@ -312,6 +310,9 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
     back (linear attention keeps a recurrent state, not columns: transformers 5.25 fails inside the
     forward that follows a rollback)."""
     instead = "Use plain generate() for this model." if who == "target" else "Use another draft model."
+    if model.config.model_type in _ONE_TOKEN_STEPS:
+        raise ValueError(f"the {who} ({type(model).__name__}): {_ONE_TOKEN_STEPS[model.config.model_type]}, and "
+                         f"hf_specdec feeds a forward several new tokens after a cache. {instead}")
     if not (forward_takes(model, "cache") or forward_takes(model, "past_key_values")):
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) takes no key-value cache (its forward has no past_key_values or cache "
@@ -321,9 +322,6 @@ def _validate_layers(model: PreTrainedModel, who: str) -> list[int]:
         raise UnsupportedCacheError(
             f"the {who} ({type(model).__name__}) decodes with a cache class of its own, not a DynamicCache (transformers' "
             f"generate() makes it one): hf_specdec rolls rejected tokens back by cutting DynamicCache columns. {instead}")
-    if model.config.model_type in ("xlm", *_ONE_TOKEN_STEPS):  # a target is refused by family before this
-        raise ValueError(f"the {who} ({type(model).__name__}) cannot take several new tokens after a cache in one forward "
-                         f"(XLM cuts the sequence itself; ProphetNet's decoder takes one token a step). {instead}")
     layers = DynamicCache(config=model.config).layers
     other = sorted({f"{type(layer).__name__} ({_layer_kind(layer)})" for layer in layers
                     if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})  # subclasses keep more than columns

@@ -1,0 +1,25 @@
+"""Paired modelled comparison of two `evals/repetition.py` runs, sample by sample (same prompt, same seed):
+    python paired.py OLD NEW [table]     (each a run's folder or its records.jsonl)"""
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def load(path):
+    path = Path(path)
+    path = path / "records.jsonl" if path.is_dir() else path
+    return {(r["id"], r["sample"]): r for r in map(json.loads, path.open())}
+
+
+
+old, new = load(sys.argv[1]), load(sys.argv[2]); table = sys.argv[3] if len(sys.argv) > 3 else "standard"
+keys = sorted(set(old) & set(new))
+def sp(r):
+    m = r["modelled"][table]; return m["plain"] / m["hf_specdec"]
+def overall(rs):
+    return sum(r["modelled"][table]["plain"] for r in rs) / sum(r["modelled"][table]["hf_specdec"] for r in rs)
+ratios = [sp(new[k]) / sp(old[k]) for k in keys]
+g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+print(f"n={len(keys)} old overall {overall([old[k] for k in keys]):.3f}x new overall {overall([new[k] for k in keys]):.3f}x "
+      f"paired geo-mean new/old {g:.3f}, new faster on {sum(r > 1 for r in ratios)}; forwards old {sum(old[k]['target_forwards'] for k in keys)} new {sum(new[k]['target_forwards'] for k in keys)}")

@@ -664,6 +664,10 @@ def _validate_model_inputs(model_kwargs: dict[str, Any]) -> None:
     for name in model_kwargs:
         if name in REMOVED_SETTINGS:
             raise ValueError(f"{name} is no longer an hf_specdec setting: {REMOVED_SETTINGS[name]}")
+    if model_kwargs.get("past_key_values") is not None:  # a direct call's name for it (generate() says `cache`)
+        if model_kwargs.get("cache") is not None:
+            raise ValueError("got both cache= and past_key_values=: pass the key-value cache once")
+        model_kwargs["cache"] = model_kwargs.pop("past_key_values")  # the one the loop fills, as generate() would
     if model_kwargs.get("inputs_embeds") is not None:
         raise ValueError("hf_specdec starts from input_ids (both models read the same token ids); "
                          "inputs_embeds is not supported: pass the prompt as input_ids.")

@@ -820,6 +820,26 @@ def test_an_empty_cache_object_passed_is_the_one_filled():
     assert torch.allclose(target(out[:, -1:], cache=mine).logits, target(out[:, -1:], cache=theirs).logits, atol=1e-5)
 
 
+def test_a_direct_calls_past_key_values_is_the_cache_filled():
+    """From a probe: a direct call given past_key_values= (generate() renames it cache= before a custom_generate
+    sees it) encoded the whole prompt again in a cache of its own and left the caller's prefix cache as it was."""
+    from transformers import DynamicCache, LogitsProcessorList, MaxLengthCriteria, StoppingCriteriaList
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, noise=0.02)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 4]])
+    plain = target.generate(ids, max_new_tokens=10, do_sample=False)
+    prefix = DynamicCache(config=target.config)
+    target(ids[:, :4], cache=prefix, use_cache=True)
+    config = GenerationConfig(max_new_tokens=10, max_length=18, do_sample=False, pad_token_id=0)
+    out = hf_specdec.speculative_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList([MaxLengthCriteria(18)]),
+                                          config, assistant=draft, past_key_values=prefix)
+    assert torch.equal(out, plain) and prefix.get_seq_length() == plain.shape[1] - 1
+    with pytest.raises(ValueError, match="both cache= and past_key_values="):
+        hf_specdec.speculative_generate(target, ids, LogitsProcessorList(), StoppingCriteriaList([MaxLengthCriteria(18)]),
+                                        config, assistant=draft, past_key_values=prefix, cache=DynamicCache())
+
+
 def test_use_cache_false_returns_no_cache_and_criteria_are_not_asked_past_a_stop():
     """As plain generate(): `use_cache=False` returns no cache (one was returned); on the CPU a stopping
     criterion is asked about each emitted token once and never past the token it stops at (it was asked

@@ -86,9 +86,10 @@ class Costs:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))  # a numpy float as the float it is
 
-    def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
+    def verify_price(self, width: int, reach: Sequence[float] | None = None, walk: bool = False) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
-        lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
+        lazily: P(its tokens 1..i + 1 accepted) at i; `walk`: a tree's nodes, each scored only when
+        the walk accepts it), less the positions it is not expected to score."""
         curve = self.verify
         if not isinstance(curve, tuple):
             price = 1.0 + curve * (width - 1)
@@ -96,7 +97,7 @@ class Costs:
             price = curve[width - 1]
         else:
             price = curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
-        unpaid = self.position * unscored(width, reach) if reach is not None else 0.0
+        unpaid = 0.0 if reach is None else self.position * (sum(1.0 - r for r in reach) if walk else unscored(width, reach))
         return max(price - unpaid, 1e-3)  # a large `position` against a flat curve: never free
 
     def prefill_per_token(self) -> float:
@@ -124,9 +125,10 @@ class SpeculativeConfig:
     # (n = NGRAM_MAX_SIZE down to ngram_min_size; a 1-token match is priced by its own acceptance).
     ngram: bool = True
     ngram_min_size: int = 1
-    # Trees (one row, greedy): the retrieved continuations, the draft's chain and its runners-up in
-    # one trie, verified in one forward with a tree attention mask; at most tree_max_nodes nodes.
-    # False: chains. Sampling always verifies chains (trees were 1.06-1.17x slower there).
+    # Trees (one row): greedy, the retrieved continuations, the draft's chain and its runners-up in one
+    # trie; sampling, a RetrievalCache's continuations of one match (point masses, walked by one draw
+    # from p a node). Verified in one forward with a tree attention mask; at most tree_max_nodes nodes.
+    # False: chains.
     tree: bool = True
     tree_max_nodes: int = 24
     # The draft encodes only the last `draft_window` tokens of the prompt and all it generates after

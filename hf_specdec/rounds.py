@@ -208,7 +208,7 @@ def _cached_tree(state: DecodeState, size: int, chain_rate: float, trace: Trace)
     if rate <= chain_rate or len({trie.parents[j] for j in keep}) == len(keep):  # no branch: the chain
         return None
     trace.estimates = [reach[j] for j in keep]
-    return tree_proposal(trie, keep, None, NGRAM, state.batch.ids.device, walk=True)
+    return tree_proposal(trie, keep, None, NGRAM, state.batch.ids.device)  # it branches: a Tree
 
 
 def lookup_lengths(planner: Planner, reach: list[list[float]], confidences: list[list[float]],

@@ -193,20 +193,18 @@ def subtree(trie: Trie, keep: list[int]) -> tuple[list[int], list[int]]:
     return tokens, parents
 
 
-def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: str, device: torch.device,
-                  walk: bool = False) -> Proposal:
+def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: str, device: torch.device) -> Proposal:
     """The proposal verifying nodes `keep` of `trie`, which holds `chain`'s tokens (when a draft chain
     is given) as its first nodes; the kept ones among them are a prefix of the chain. A plain chain
-    when the kept nodes do not branch and come from one source (verified by the chain rule), unless
-    `walk` (sampling: a tree is walked node by node, as it was priced); a `Tree` otherwise. Every
-    node is a point mass (a sampled tree holds no draft chain)."""
+    when the kept nodes do not branch and come from one source (verified by the chain rule); a `Tree`
+    otherwise. Every node is a point mass (a sampled tree holds no draft chain)."""
     tokens, parents = subtree(trie, keep)
     kept = sorted(keep)
     drafted, forwards = 0, 0 if chain is None else chain.forwards
     while chain is not None and drafted < min(len(kept), chain.num_tokens) and kept[drafted] == drafted:
         drafted += 1
     ids = to_device([tokens], device)  # [1, n]
-    if not walk and parents == list(range(-1, len(parents) - 1)) and drafted in (0, len(tokens)):  # one source
+    if parents == list(range(-1, len(parents) - 1)) and drafted in (0, len(tokens)):  # a chain from one source
         if drafted:
             return chain.first([drafted])
         # retrieved tokens only (none: a plain step); after a draft ran, the draft's cache holds its own

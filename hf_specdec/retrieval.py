@@ -34,14 +34,16 @@ import itertools
 import json
 import numbers
 import operator
+import os
 import sys
 import threading
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import AbstractSet, Iterable, Mapping, Sequence
 
 import torch
 
+from .config import as_int
 from .planner import MatchAcceptance
 from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
@@ -185,11 +187,24 @@ def _last(tokens, n: int):
         return tokens[max(0, len(tokens) - n) :]
     return tokens
 
+def _write_whole(path: Path, text: str) -> None:
+    """`text` into `path` whole or not at all: written beside it, then moved over it (a failed or
+    interrupted write leaves the earlier file as it was)."""
+    spare = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        spare.write_text(text)
+        os.replace(spare, path)
+    except BaseException:
+        spare.unlink(missing_ok=True)
+        raise
+
+
 class RetrievalCache:
     """Earlier outputs (and any corpus given), searchable by the last tokens of a row.
 
-    `max_tokens`: the most tokens held, separators included (oldest sequences evicted first, the newest
-    always kept; about 600 bytes a token, `memory_bytes()`). `context`: how many prompt
+    `max_tokens`: the most tokens held, separators included, at least 2 (oldest sequences evicted first,
+    the newest's tail always kept; about 600 bytes a token at the default `index_ngram`, more the longer
+    the n-grams indexed: `memory_bytes()` counts it). `context`: how many prompt
     tokens before each output are kept with it (a later answer to the same prompt matches them).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
@@ -197,13 +212,18 @@ class RetrievalCache:
 
     def __init__(self, max_tokens: int = 250_000, context: int = 16, index_ngram: int = 3, max_match: int = 32,
                  max_occurrences: int = 64):
+        max_tokens, context, index_ngram, max_match, max_occurrences = map(  # numpy's and torch's ints as ints
+            as_int, (max_tokens, context, index_ngram, max_match, max_occurrences))
         for name, value in (("max_tokens", max_tokens), ("index_ngram", index_ngram), ("max_match", max_match),
                             ("max_occurrences", max_occurrences)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"RetrievalCache: {name} must be a positive integer, got {value!r}")
+        if max_tokens < 2:
+            raise ValueError(f"RetrievalCache: max_tokens must be at least 2 (a token and the separator after it), "
+                             f"got {max_tokens}")
         if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 0:
             raise ValueError(f"RetrievalCache: context must be an integer >= 0, got {context!r}")
-        max_tokens, context, index_ngram = int(max_tokens), int(context), int(index_ngram)  # numpy's as ints
+        max_tokens, context, index_ngram = int(max_tokens), int(context), int(index_ngram)
         max_match, max_occurrences = int(max_match), int(max_occurrences)
         self.max_tokens, self.context, self.index_ngram = max_tokens, context, index_ngram
         self.max_match, self.max_occurrences = max(max_match, index_ngram), max_occurrences
@@ -228,6 +248,10 @@ class RetrievalCache:
     def open(self, key: object, context: Sequence[int] = ()) -> None:
         """Start a sequence that grows round by round (a row being generated), under `key`; other rows
         and calls retrieve from it as it grows."""
+        try:
+            hash(key)
+        except TypeError:
+            raise ValueError(f"RetrievalCache: a sequence's key must be hashable (a tuple, not a list), got {key!r}") from None
         with self._lock:
             if key in self._open.tokens:
                 raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
@@ -270,6 +294,7 @@ class RetrievalCache:
         earlier occurrence that continued continued the same way."""
         query = self._ids(_last(query, self.max_match))  # ids, never rounded floats; anything else named
         most, cap = self.max_occurrences, self.max_match
+        max_tokens, max_branches, min_match = map(as_int, (max_tokens, max_branches, min_match))  # torch ints
         for name, value in (("max_tokens", max_tokens), ("max_branches", max_branches), ("min_match", min_match)):
             if isinstance(value, bool) or not isinstance(value, numbers.Integral):
                 raise ValueError(f"RetrievalCache.lookup: {name} must be an integer, got {value!r}")
@@ -311,8 +336,8 @@ class RetrievalCache:
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
             learned = dict(pooled=self.acceptance.pooled, per_size=dict(self.acceptance.per_size),  # copies: calls in
                            seen=dict(self.acceptance.seen))  # other threads update them outside the lock
-            Path(path).write_text(json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences,
-                                              "acceptance": learned}))
+            text = json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences, "acceptance": learned})
+        _write_whole(Path(path), text)
 
     @classmethod
     def load(cls, path: str | Path) -> "RetrievalCache":
@@ -324,8 +349,12 @@ class RetrievalCache:
             raise  # as open() raises it: `except FileNotFoundError` starts a new cache
         except (OSError, ValueError, RecursionError) as err:  # (JSON nested past the interpreter's depth)
             raise ValueError(f"cannot read a saved hf_specdec.RetrievalCache from {path}: {err}") from err
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache (format {FORMAT})")
+        found = data.get("format") if isinstance(data, dict) else None
+        if found != FORMAT:
+            told = "it has no format field" if found is None else f"its format is {found!r}"
+            if str(found).startswith(FORMAT.rsplit("/", 1)[0] + "/"):
+                told += ", written by another version of hf_specdec"
+            raise ValueError(f"{path} is not a saved hf_specdec.RetrievalCache this version reads ({FORMAT}): {told}")
         try:
             cache = cls(**data["settings"])
             learned = data.get("acceptance") or {}
@@ -367,6 +396,9 @@ class RetrievalCache:
 
     def _ids(self, tokens: Iterable[int], name: str = "tokens") -> list[int]:
         """Checked ids (`_token_id`), where every token enters the store."""
+        if isinstance(tokens, (AbstractSet, Mapping)):
+            raise ValueError(f"RetrievalCache: {name} must be an ordered sequence of token ids, got a "
+                             f"{type(tokens).__name__} (its order is not the text's)")
         if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable) or getattr(tokens, "ndim", 1) != 1:
             shape = f" of shape {tuple(tokens.shape)}" if hasattr(tokens, "shape") else ""
             raise ValueError(f"RetrievalCache: {name} must be one sequence of token ids, got {type(tokens).__name__}{shape}"

@@ -443,3 +443,49 @@ def test_bool_ids_deep_files_load_on_a_cache_and_copies_during_a_call(tmp_path):
         assert len(twin) == 4 and twin.lookup([4], 2) == ([], 0)  # the finished sequence, not the open row
     cache.close("row")
     assert cache.lookup([4], 2)[0] == [[5]]
+
+
+def test_saves_are_whole_and_odd_inputs_are_named(tmp_path, monkeypatch):
+    """From a probe: a save that failed midway left a cut file where the earlier save had been; a set
+    was stored in its arbitrary order; a cap of 1 held 2 tokens; a list as a key, a 0-d tensor as a
+    size, and another version's file were refused with bare or vague errors."""
+    import json
+    import pathlib
+
+    path = tmp_path / "c.json"
+    cache = RetrievalCache()
+    cache.add([1, 2, 3, 4])
+    cache.save(path)
+    cache.add(list(range(5, 500)))
+    written = pathlib.Path.write_text
+
+    def full_disk(self, text, *args, **kwargs):
+        written(self, text[: len(text) // 2])
+        raise OSError(27, "File too large")
+
+    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+    with pytest.raises(OSError, match="too large"):
+        cache.save(path)
+    monkeypatch.undo()
+    assert len(RetrievalCache.load(path)) == 5 and list(tmp_path.iterdir()) == [path]  # the earlier save, alone
+    for unordered in ({40, 3, 17}, {5: "x", 6: "y"}):
+        with pytest.raises(ValueError, match="tokens must be an ordered sequence of token ids, got a (set|dict)"):
+            RetrievalCache().add(unordered)
+    with pytest.raises(ValueError, match="max_tokens must be at least 2"):
+        RetrievalCache(max_tokens=1)
+    tiny = RetrievalCache(max_tokens=2)
+    tiny.add([7, 8, 9])
+    assert len(tiny) <= 2
+    with pytest.raises(ValueError, match="key must be hashable"):
+        RetrievalCache().open([1, 2])
+    sized = RetrievalCache(max_tokens=torch.tensor(1000), context=0)
+    assert sized.max_tokens == 1000 and type(sized.max_tokens) is int
+    sized.add([1, 2, 3, 4, 1, 2, 3, 4])
+    assert sized.lookup([2, 3], max_tokens=torch.tensor(2))[0] == [[4, 1]]
+    data = json.loads(path.read_text())
+    for found, told in (("hf_specdec.RetrievalCache/2", "'hf_specdec.RetrievalCache/2', written by another version"),
+                        (None, "it has no format field")):
+        data["format"] = found
+        path.write_text(json.dumps(data))
+        with pytest.raises(ValueError, match=told):
+            RetrievalCache.load(path)

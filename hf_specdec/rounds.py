@@ -56,7 +56,6 @@ class Trace:
     unverified: dict[int, list[int]] = field(default_factory=dict)  # row -> a retrieved continuation not verified
     retrieved: set[int] = field(default_factory=set)  # chain rounds: rows verifying their retrieved continuation
     estimates: list[float] | None = None  # per verified node of one row, P(accepted) as planned
-    shares: list[float] | None = None  # a tree of cached continuations: per node, its share of its parent's
 
 
 @dataclass(frozen=True)
@@ -198,18 +197,17 @@ def _cached_tree(state: DecodeState, size: int, chain_rate: float, trace: Trace)
     branches, planner = state.lookup.branches.get(0), state.planner
     if not branches or len(branches[0]) < 2:
         return None
-    trie, reach, held, a = Trie(), [], [], planner.acceptance.lookup_at(size, CACHE)
+    trie, reach, a = Trie(), [], planner.acceptance.lookup_at(size, CACHE)
     for tokens, shares in zip(*branches):
         for node, share in zip(trie.insert(tokens, NGRAM, count=True), shares):
             if node == len(reach):  # a new node: parents come first
                 parent = trie.parents[node]
                 reach.append(a * share * (1.0 if parent < 0 else reach[parent]))
-                held.append(share)
     nodes, rate = planner.best_nodes([reach], most=state.config.tree_max_nodes, walk=True)
     keep = nodes[0]
     if rate <= chain_rate or len({trie.parents[j] for j in keep}) == len(keep):  # no branch: the chain
         return None
-    trace.estimates, trace.shares = [reach[j] for j in keep], [held[j] for j in sorted(keep)]
+    trace.estimates = [reach[j] for j in keep]
     return tree_proposal(trie, keep, None, NGRAM, state.batch.ids.device)  # it branches: a Tree
 
 
@@ -596,8 +594,8 @@ def _observe_tree(state: DecodeState, proposal: Proposal, trace: Trace, verdict:
     else:
         planner.observe_without_draft()
     size, source = _match(trace, 0)
-    for hit, share in tree.retrieval_events(path, trace.shares):  # as planned: the kept children's shares
-        planner.acceptance.observe_lookup(size, hit, source, share)
+    for hit in tree.retrieval_events(path):
+        planner.acceptance.observe_lookup(size, hit, source)
 
 
 def _shares(state: DecodeState, i: int, source: str) -> list[float] | None:

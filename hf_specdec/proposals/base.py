@@ -92,19 +92,16 @@ class Tree:
         retrieval proposed). For the walk's first node: whether the draft's first forward paid."""
         return node < self.chain or not self.retrieved[node]
 
-    def retrieval_events(self, path: list[int], shares: list[float] | None = None) -> list[tuple[bool, float]]:
+    def retrieval_events(self, path: list[int]) -> list[bool]:
         """Per node the walk reached (the root, then each accepted node) that has retrieved children:
-        whether the walk went on through one of them, and the share of the retrieved continuations its
-        retrieved children hold together (`shares`: per node, its share of its parent's; 1 if not given)."""
+        whether the walk went on through one of them."""
         children: dict[int, list[int]] = {}
         for j, parent in enumerate(self.parents):
             children.setdefault(parent, []).append(j)
         out = []
         for step, node in enumerate([-1] + path):
-            held = [c for c in children.get(node, ()) if self.retrieved[c]]
-            if held:
-                share = 1.0 if shares is None else sum(shares[c] for c in held)
-                out.append((step < len(path) and self.retrieved[path[step]], share))
+            if any(self.retrieved[c] for c in children.get(node, ())):
+                out.append(step < len(path) and self.retrieved[path[step]])
         return out
 
 

@@ -50,6 +50,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0, help="sample i is seeded with seed + i")
     parser.add_argument("--out", default=None, help="a records.jsonl to write (one line per call)")
     add_options(parser, "target", "draft")
     args = parser.parse_args()
@@ -69,10 +70,10 @@ def main() -> None:
                 order = list(ARMS) if sample % 2 == 0 else list(reversed(ARMS))
                 for arm in order:
                     tokens, seconds, trees = call(target, draft, ids, WORKLOADS[name], caches[arm], ARMS[arm],
-                                                  args.max_new_tokens, sample)
+                                                  args.max_new_tokens, args.seed + sample)
                     for acc in (totals[arm], mine[arm]):
                         acc[0], acc[1] = acc[0] + tokens, acc[1] + seconds
-                    line = dict(workload=name, id=prompt["id"], sample=sample, arm=arm, tokens=tokens,
+                    line = dict(workload=name, id=prompt["id"], sample=args.seed + sample, arm=arm, tokens=tokens,
                                 seconds=round(seconds, 3), tree_rounds=trees)
                     print(json.dumps(line), file=sys.stderr, flush=True)
                     if sink:

@@ -187,6 +187,7 @@ def _last(tokens, n: int):
         return tokens[max(0, len(tokens) - n) :]
     return tokens
 
+
 def _write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all: written beside it, then moved over it (a failed or
     interrupted write leaves the earlier file as it was)."""

@@ -224,8 +224,6 @@ class RetrievalCache:
                              f"got {max_tokens}")
         if isinstance(context, bool) or not isinstance(context, numbers.Integral) or context < 0:
             raise ValueError(f"RetrievalCache: context must be an integer >= 0, got {context!r}")
-        max_tokens, context, index_ngram = int(max_tokens), int(context), int(index_ngram)
-        max_match, max_occurrences = int(max_match), int(max_occurrences)
         self.max_tokens, self.context, self.index_ngram = max_tokens, context, index_ngram
         self.max_match, self.max_occurrences = max(max_match, index_ngram), max_occurrences
         self._lock = threading.RLock()

@@ -70,6 +70,7 @@ from run_eval import PRESETS  # noqa: E402
 
 MODE = "sampling"  # the cost table's row that prices positions and pins hf_specdec's costs
 METHODS = ("hf_specdec", "hf_specdec+cache")
+CHAINS = "hf_specdec+cache-chains"  # the cache's top continuation as a chain only (tree=False): an ablation, not a default
 STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")  # the HumanEval harness's stop sequences
 REPORT_PROMPTS = PRESETS["standard"].prompts_per_category  # the standard preset's prompts per category (5)
 DEFAULT_TABLE = HERE / "results" / "standard" / "cost_table.json"
@@ -195,7 +196,7 @@ def _exited(child: subprocess.Popen, timeout: float) -> bool:
 
 
 def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, max_new_tokens: int, timers: dict,
-             cache, seed: int) -> dict:
+             cache, seed: int, tree: bool = True) -> dict:
     """One hf_specdec call with costs pinned from `table` as evals/replay.py pins them; its record."""
     ids = torch.tensor([prompt["input_ids"]])
     window = hf_specdec.SpeculativeConfig().window_for(True)
@@ -208,7 +209,7 @@ def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, 
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
                           temperature=workload.temperature, top_p=workload.top_p,
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
-                          acceptance_sink=rounds.append, **pins, **extra)
+                          acceptance_sink=rounds.append, tree=tree, **pins, **extra)
     work = with_scored({name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}, rounds)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return dict(prompt_tokens=ids.shape[1], new_tokens=len(tokens), tokens=tokens, work=work,
@@ -232,14 +233,14 @@ def finish_record(record: dict, prompt: dict, tokenizer, tables: dict[str, CostT
 def run_method(target, draft, tokenizer, prompts: list[dict], workload: Workload, method: str,
                tables: dict[str, CostTable], settings: dict, timers: dict, sink) -> tuple[list[dict], dict]:
     """Every call of `method` on `workload`: n samples a prompt, prompts in order; (records, run)."""
-    cache = hf_specdec.RetrievalCache() if method == "hf_specdec+cache" else None
+    cache = hf_specdec.RetrievalCache() if method.startswith("hf_specdec+cache") else None
     pin = next(iter(tables.values()))
     records, start = [], time.perf_counter()
     for prompt in prompts:
         for sample in range(settings["samples"]):
             began = time.perf_counter()
             record = one_call(target, draft, prompt, workload, pin, settings["max_new_tokens"], timers, cache,
-                              settings["seed"] + sample)
+                              settings["seed"] + sample, tree=method != CHAINS)
             record = dict(workload=workload.name, id=prompt["id"], sample=sample, method=method, **record)
             records.append(finish_record(record, prompt, tokenizer, tables, settings["execute"]))
             sink(record)
@@ -395,14 +396,22 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
 
 
 def workload_prompts(tokenizer, names: list[str], limit: int | None,
-                     humaneval_chat: bool = False) -> dict[str, list[dict]]:
+                     humaneval_chat: bool = False, held_out: bool = False) -> dict[str, list[dict]]:
     """Per workload, its report-split prompts as the standard preset picks them (the first `limit`),
-    chat-formatted (`common.load_prompts`). HumanEval prompts carry their problem (prompt, test, entry
-    point) and, unless `humaneval_chat`, are the problem's prompt alone, to be continued (the harness's way)."""
+    chat-formatted (`common.load_prompts`); `held_out`: `limit` (default 5) of the report split's other
+    prompts instead, evenly spaced, none of them a preset's. HumanEval prompts carry their problem
+    (prompt, test, entry point) and, unless `humaneval_chat`, are the problem's prompt alone, to be
+    continued (the harness's way)."""
     problems = {p["task_id"]: p for p in map(json.loads, HUMANEVAL.read_text().splitlines())}
     out = {}
     for name in names:
-        prompts = load_prompts(tokenizer, [WORKLOADS[name].category], REPORT_PROMPTS, "report")[:limit]
+        category = WORKLOADS[name].category
+        prompts = load_prompts(tokenizer, [category], REPORT_PROMPTS, "report")[:limit]
+        if held_out:
+            preset = {p["id"] for p in load_prompts(tokenizer, [category], REPORT_PROMPTS, "report")}  # quick's too
+            pool = [p for p in load_prompts(tokenizer, [category], None, "report") if p["id"] not in preset]
+            n = min(limit or REPORT_PROMPTS, len(pool))
+            prompts = [pool[(2 * i + 1) * len(pool) // (2 * n)] for i in range(n)]
         for prompt in (p for p in prompts if p["id"] in problems):
             prompt.update(problem=problems[prompt["id"]], chat=humaneval_chat)
             if not humaneval_chat:
@@ -440,11 +449,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hf_specdec's costs, each one given again reprices the same work")
     parser.add_argument("--reprice", type=cost_table_file, action="append", default=[], help="another table to reprice the work with")
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", choices=(*METHODS, CHAINS), default=list(METHODS),
                         help="run these only (a variant of the library against a recorded run: its cached method)")
     parser.add_argument("--samples", type=positive_int, default=8, help="samples a prompt (n)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)
     parser.add_argument("--limit", type=positive_int, default=None, help="at most this many prompts a workload")
+    parser.add_argument("--held-out", action="store_true",
+                        help="report-split prompts no preset uses (evenly spaced; --limit of them, default 5) instead "
+                             "of the standard preset's: a lever's check on prompts it was not tuned on")
     parser.add_argument("--seed", type=int, default=0, help="sample i is seeded with seed + i")
     parser.add_argument("--eager-prices", action="store_true",
                         help="pin costs without Costs.position (the planner prices every sampled position, as before the "
@@ -470,7 +482,7 @@ def main(argv=None) -> list[dict]:
     paths = table_labels([*(args.cost_table or [str(DEFAULT_TABLE)]), *args.reprice])
     tables = {label: load_table(HERE.parent / path) for label, path in paths.items()}
     target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")  # bf16 as loaded, as evals/replay.py
-    prompts = workload_prompts(tokenizer, args.workloads, args.limit, args.humaneval_chat)
+    prompts = workload_prompts(tokenizer, args.workloads, args.limit, args.humaneval_chat, args.held_out)
     if args.lookup_on:
         text = lookup_on_outputs(Path(args.lookup_on), prompts, tables, target, args.max_new_tokens)
         Path(args.out).mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,7 @@ calls in several threads of one process may share a cache; `save` / `load` keep 
 
 from __future__ import annotations
 
+import bisect
 import copy
 import itertools
 import json
@@ -63,6 +64,14 @@ def _measure(tokens: list[int], end: int, query: list[int], n: int, cap: int) ->
     return matched
 
 
+def _reaches(matched: int, end: int, start: int, context: int, query: list[int], cap: int) -> bool:
+    """Whether a match of `matched` tokens ending at `end`, in a sequence starting at `start` whose first
+    `context` tokens are the prompt it answered, is evidence: a match ending inside that prompt must reach
+    back to its start (or as far as a match is measured). Every chat prompt ends in the same assistant
+    header; matching only that offers a new prompt the start of another prompt's answer."""
+    return end - start > context or matched >= min(end - start, cap, len(query))
+
+
 def _follows(tokens: list[int], end: int, max_tokens: int) -> list[int]:
     """What follows position `end` in `tokens`, up to a separator, at most `max_tokens`."""
     out = []
@@ -94,11 +103,13 @@ class _Finished:
         self.index_ngram = index_ngram
         self.tokens: list[int] = []
         self.index: dict[tuple[int, ...], list[int]] = {}
-        self.lengths: list[int] = []  # each sequence's length here, its separator included
+        self.starts: list[int] = []  # where each sequence starts in `tokens`
+        self.contexts: list[int] = []  # how many of its first tokens are the prompt it answered
         self.largest = -1  # the largest id held
 
-    def add(self, sequence: list[int]) -> None:
-        self.lengths.append(len(sequence) + 1)
+    def add(self, sequence: list[int], context: int) -> None:
+        self.starts.append(len(self.tokens))
+        self.contexts.append(context)
         self.largest = max([self.largest, *sequence])
         for token in sequence:
             self.tokens.append(token)
@@ -109,8 +120,18 @@ class _Finished:
                 self.index.setdefault(tuple(self.tokens[end - n : end]), []).append(end)
         self.tokens.append(SEPARATOR)
 
+    def sequences(self) -> list[tuple[list[int], int]]:
+        """(tokens, context) of each sequence held, oldest first."""
+        ends = [*self.starts[1:], len(self.tokens)]
+        return [(self.tokens[a : b - 1], c) for a, b, c in zip(self.starts, ends, self.contexts)]
+
+    def evidence(self, end: int, matched: int, query: list[int], cap: int) -> bool:
+        """`_reaches` for a match ending at `end` here."""
+        i = bisect.bisect_right(self.starts, end - 1) - 1
+        return _reaches(matched, end, self.starts[i], self.contexts[i], query, cap)
+
     def bytes(self) -> int:
-        return _bytes(self.tokens, self.index, 1)
+        return _bytes(self.tokens, self.index, 1) + _bytes(self.starts, {}, 0) + _bytes(self.contexts, {}, 0)
 
 
 class _Open:
@@ -121,6 +142,7 @@ class _Open:
     def __init__(self, index_ngram: int):
         self.index_ngram = index_ngram
         self.tokens: dict[object, list[int]] = {}
+        self.contexts: dict[object, int] = {}  # per key, how many of its first tokens are its prompt's
         self.index: dict[tuple[int, ...], list[tuple[object, int]]] = {}
         self.entries = self.live = 0  # index entries, and those of sequences still open
 
@@ -133,16 +155,16 @@ class _Open:
         self.entries += min(self.index_ngram, end)
         self.live += min(self.index_ngram, end)
 
-    def pop(self, key: object) -> list[int]:
+    def pop(self, key: object) -> tuple[list[int], int]:
         """A finished sequence leaves. Its index entries are dropped as lookups meet them, and all at once
         when dead entries outnumber live ones (so memory stays bounded by the open sequences)."""
-        tokens = self.tokens.pop(key)
+        tokens, context = self.tokens.pop(key), self.contexts.pop(key)
         self.live -= sum(min(self.index_ngram, end) for end in range(1, len(tokens) + 1))
         if self.entries > 2 * self.live + 1024:
             self.index = {gram: kept for gram, entries in self.index.items()
                           if (kept := [e for e in entries if e[0] in self.tokens])}
             self.entries = self.live
-        return tokens
+        return tokens, context
 
     def matches(self, query: list[int], n: int, most: int, cap: int, exclude: object) -> list[tuple[list[int], int, int]]:
         """As `_Finished.matches`, over every open sequence but `exclude`, most recent first."""
@@ -155,9 +177,11 @@ class _Open:
             if tokens is None:
                 dead += 1  # a sequence closed since
             elif key != exclude and end < len(tokens):  # something follows it
-                out.append((tokens, end, _measure(tokens, end, query, n, cap)))
-                if len(out) == most:
-                    break
+                matched = _measure(tokens, end, query, n, cap)
+                if _reaches(matched, end, 0, self.contexts[key], query, cap):
+                    out.append((tokens, end, matched))
+                    if len(out) == most:
+                        break
         if dead > most:
             before = len(entries)
             entries[:] = [(key, end) for key, end in entries if key in self.tokens]
@@ -206,7 +230,9 @@ class RetrievalCache:
     `max_tokens`: the most tokens held, separators included, at least 2 (oldest sequences evicted first,
     the newest's tail always kept; about 600 bytes a token at the default `index_ngram`, more the longer
     the n-grams indexed: `memory_bytes()` counts it). `context`: how many prompt
-    tokens before each output are kept with it (a later answer to the same prompt matches them).
+    tokens before each output are kept with it (a later answer to the same prompt matches them; a
+    match ending among them counts only if it reaches back to the first kept, so a shared chat
+    template's header alone proposes nothing).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
     being generated, and in the finished ones)."""
@@ -241,8 +267,8 @@ class RetrievalCache:
         """One finished sequence (an output, or a document of a corpus), after the last `self.context`
         tokens of `context` (the prompt it answered)."""
         with self._lock:
-            sequence = [*self._tail(context), *self._ids(tokens)]  # every id checked before anything is kept
-            self._add(sequence)
+            tail = self._tail(context)
+            self._add([*tail, *self._ids(tokens)], len(tail))  # every id checked before anything is kept
 
     def open(self, key: object, context: Sequence[int] = ()) -> None:
         """Start a sequence that grows round by round (a row being generated), under `key`; other rows
@@ -256,7 +282,7 @@ class RetrievalCache:
                 raise ValueError(f"RetrievalCache: a sequence is already open under {key!r}")
             tail = self._tail(context)  # checked first: a refused context leaves nothing open
             self._remember(tail)
-            self._open.tokens[key] = []
+            self._open.tokens[key], self._open.contexts[key] = [], len(tail)
             for token in tail:
                 self._open.push(key, token)
 
@@ -273,7 +299,7 @@ class RetrievalCache:
         """The open sequence `key` is finished and joins the finished ones."""
         with self._lock:
             self._check_open(key)
-            self._add(self._open.pop(key))
+            self._add(*self._open.pop(key))
 
     # ------------------------------------------------------------------ searching
 
@@ -325,17 +351,17 @@ class RetrievalCache:
     def save(self, path: str | Path) -> None:
         """Write the finished sequences and the settings (JSON); sequences still open are not saved."""
         with self._lock:
-            sequences = []
+            sequences, contexts = [], []
             for finished in self._finished:
-                start = 0
-                for length in finished.lengths:
-                    sequences.append(finished.tokens[start : start + length - 1])
-                    start += length
+                for tokens, context in finished.sequences():
+                    sequences.append(tokens)
+                    contexts.append(context)
             settings = dict(max_tokens=self.max_tokens, context=self.context, index_ngram=self.index_ngram,
                             max_match=self.max_match, max_occurrences=self.max_occurrences)
             learned = dict(pooled=self.acceptance.pooled, per_size=dict(self.acceptance.per_size),  # copies: calls in
                            seen=dict(self.acceptance.seen))  # other threads update them outside the lock
-            text = json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences, "acceptance": learned})
+            text = json.dumps({"format": FORMAT, "settings": settings, "sequences": sequences, "contexts": contexts,
+                               "acceptance": learned})
         _write_whole(Path(path), text)
 
     @classmethod
@@ -364,9 +390,15 @@ class RetrievalCache:
             sequences = data["sequences"]
             if not isinstance(sequences, list) or not all(isinstance(t, list) for t in sequences):
                 raise ValueError("sequences must be a list of lists of token ids")
+            contexts = data.get("contexts", [0] * len(sequences))  # absent (saved before 2026-12-06): none known
+            if not isinstance(contexts, list) or len(contexts) != len(sequences):
+                raise ValueError("contexts must be a list with one count per sequence")
             with cache._lock:
-                for tokens in sequences:
-                    cache._add(cache._ids(tokens))
+                for tokens, context in zip(sequences, contexts):
+                    ids = cache._ids(tokens)
+                    if _count(context) > len(ids):
+                        raise ValueError(f"a sequence of {len(ids)} tokens cannot have a context of {context}")
+                    cache._add(ids, context)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err
         cache.acceptance.pooled, cache.acceptance.per_size, cache.acceptance.seen = pooled, per_size, seen
@@ -413,14 +445,16 @@ class RetrievalCache:
         tail = self._ids(_last(() if context is None else context, max(1, self.context)), "context")  # None: none
         return tail if self.context else []  # checked even where none is kept
 
-    def _add(self, tokens: list[int]) -> None:
+    def _add(self, tokens: list[int], context: int) -> None:
+        """A finished sequence whose first `context` tokens are its prompt's."""
         if not tokens:
             return
-        tokens = tokens[-max(1, int(0.9 * self.max_tokens) - 1) :]  # one sequence longer than the cache: its tail
+        kept = tokens[-max(1, int(0.9 * self.max_tokens) - 1) :]  # one sequence longer than the cache: its tail
+        tokens, context = kept, max(0, context - (len(tokens) - len(kept)))
         self._remember(tokens)  # what is kept (a sequence's cut head holds no id a target must embed)
         if len(self._finished[-1].tokens) >= max(1, self.max_tokens // 10):
             self._finished.append(_Finished(self.index_ngram))
-        self._finished[-1].add(tokens)
+        self._finished[-1].add(tokens, context)
         held = sum(len(f.tokens) for f in self._finished)
         if held > self.max_tokens:  # the oldest segments go whole (about a tenth each), the newest stays
             while len(self._finished) > 1 and held > self.max_tokens:
@@ -434,8 +468,9 @@ class RetrievalCache:
         found, gram = [], tuple(query[len(query) - n :])
         for finished in reversed(self._finished):
             ends = finished.index.get(gram, [])[-most:]
-            found += [(finished.tokens, end, _measure(finished.tokens, end, query, n, cap)) for end in reversed(ends)
-                      if finished.tokens[end] != SEPARATOR]
+            measured = [(end, _measure(finished.tokens, end, query, n, cap)) for end in reversed(ends)
+                        if finished.tokens[end] != SEPARATOR]
+            found += [(finished.tokens, end, m) for end, m in measured if finished.evidence(end, m, query, cap)]
             most -= len(ends)
             if most <= 0:
                 return found

@@ -3,6 +3,7 @@ Exactness with it (chi-square and broken variants) is in test_exactness.py."""
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import Counter
 
@@ -108,7 +109,7 @@ def test_eviction_indexes_each_sequence_once_and_keeps_most_of_the_cache(monkeyp
 
     indexed = []
     original = retrieval._Finished.add
-    monkeypatch.setattr(retrieval._Finished, "add", lambda self, sequence: (indexed.append(1), original(self, sequence)))
+    monkeypatch.setattr(retrieval._Finished, "add", lambda self, *args: (indexed.append(1), original(self, *args)))
     cache = RetrievalCache(max_tokens=1000, context=0)
     for i in range(300):
         cache.add([i % 200, 7, 8, i % 13, 9])
@@ -489,3 +490,39 @@ def test_saves_are_whole_and_odd_inputs_are_named(tmp_path, monkeypatch):
         path.write_text(json.dumps(data))
         with pytest.raises(ValueError, match=told):
             RetrievalCache.load(path)
+
+
+def test_a_match_inside_a_stored_prompt_counts_only_when_it_reaches_the_prompts_start(tmp_path):
+    """Before: every chat prompt ends in the same assistant header, so a new prompt matched another
+    prompt's stored tail on those tokens alone and was offered the start of that prompt's answer
+    (evals/results/cache-value/header_matches.txt). A match ending inside a stored prompt now has to
+    reach back to where the stored prompt starts; matches ending in the output are as before."""
+    header = [90, 91, 92]  # the template's tokens every prompt ends in
+    cache = RetrievalCache(context=5)
+    cache.add([10, 11, 12], context=[1, 2, 3, 4, *header])  # 5 kept: 3 4 90 91 92
+    assert cache.lookup([7, 8, *header], max_tokens=3) == ([], 0)  # another prompt, the same header: nothing
+    assert cache.lookup([3, 4, *header], max_tokens=3) == ([[10, 11, 12]], 4)  # the same prompt: its answer
+    assert cache.lookup([8, 10, 11], max_tokens=3) == ([[12]], 2)  # a match ending in the output: as before
+    cache.add([40, 41], context=[*header])  # a prompt shorter than `context`: all of it must match
+    assert cache.lookup([*header], max_tokens=2)[0] == [[40, 41]]
+    cache.add([90, 91, 92, 50])  # a corpus document (no prompt): matches anywhere
+    assert cache.lookup([6, 90, 91, 92], max_tokens=2)[0] == [[50]]
+    # rows being generated keep their prompt's extent too
+    cache.open("a", context=[1, 2, 3, 4, *header])
+    cache.extend("a", [20, 21])
+    assert cache.lookup([5, 5, *header], max_tokens=2, exclude="b")[0] == [[50]]  # not row a's answer
+    assert cache.lookup([3, 4, *header], max_tokens=2, exclude="b")[0][0] in ([10, 11], [20, 21])
+    # the extents survive a save; a file saved before they were kept loads with none (as matched then)
+    cache.close("a")
+    cache.save(tmp_path / "c.json")
+    loaded = RetrievalCache.load(tmp_path / "c.json")
+    assert loaded.lookup([7, 8, *header], max_tokens=2) == cache.lookup([7, 8, *header], max_tokens=2)
+    assert loaded.lookup([3, 4, *header], max_tokens=3, max_branches=3)[0] == [[20, 21], [10, 11, 12]]  # equal counts: newest first
+    data = json.loads((tmp_path / "c.json").read_text())
+    del data["contexts"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert RetrievalCache.load(tmp_path / "old.json").lookup([7, 8, *header], max_tokens=3, max_branches=3)[0]
+    data["contexts"] = [0, 6]
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="contexts must be a list with one count per sequence"):
+        RetrievalCache.load(tmp_path / "bad.json")

@@ -36,6 +36,7 @@ import json
 import numbers
 import operator
 import os
+import stat
 import sys
 import threading
 from collections import deque
@@ -214,10 +215,14 @@ def _last(tokens, n: int):
 
 def _write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all: written beside it, then moved over it (a failed or
-    interrupted write leaves the earlier file as it was)."""
+    interrupted write leaves the earlier file as it was). A link is followed (the file it names is
+    replaced, the link kept), and a file replaced keeps its permissions."""
+    path = Path(os.path.realpath(path))
     spare = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         spare.write_text(text)
+        if path.exists():
+            os.chmod(spare, stat.S_IMODE(path.stat().st_mode))
         os.replace(spare, path)
     except BaseException:
         spare.unlink(missing_ok=True)

@@ -526,3 +526,21 @@ def test_a_match_inside_a_stored_prompt_counts_only_when_it_reaches_the_prompts_
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="contexts must be a list with one count per sequence"):
         RetrievalCache.load(tmp_path / "bad.json")
+
+
+def test_a_save_over_a_link_or_a_private_file_keeps_them(tmp_path):
+    """Before: saving through a symlink replaced the link with a file (the file it named kept the old
+    cache), and a file made private (0600) came back with the default permissions."""
+    import os
+    import stat
+
+    cache = RetrievalCache()
+    cache.add([1, 2, 3])
+    real, link = tmp_path / "real.json", tmp_path / "link.json"
+    cache.save(real)
+    os.chmod(real, 0o600)
+    link.symlink_to(real)
+    cache.add([4, 5, 6])
+    cache.save(link)
+    assert link.is_symlink() and len(RetrievalCache.load(real)) == len(cache)
+    assert stat.S_IMODE(real.stat().st_mode) == 0o600

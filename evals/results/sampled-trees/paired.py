@@ -1,5 +1,5 @@
 """Paired modelled comparison of two `evals/repetition.py` runs, sample by sample (same prompt, same seed):
-    python paired.py OLD NEW [table]     (each a run's folder or its records.jsonl)"""
+    python paired.py OLD NEW [table]     (each a run's folder or its records.jsonl, optionally :METHOD)"""
 import json
 import math
 import sys
@@ -7,9 +7,11 @@ from pathlib import Path
 
 
 def load(path):
+    """A run's records by (prompt, sample); PATH:METHOD keeps that method's only (a run of two methods)."""
+    path, _, method = str(path).partition(":")
     path = Path(path)
     path = path / "records.jsonl" if path.is_dir() else path
-    return {(r["id"], r["sample"]): r for r in map(json.loads, path.open())}
+    return {(r["id"], r["sample"]): r for r in map(json.loads, path.open()) if r.get("method", method) == (method or r.get("method"))}
 
 
 
@@ -20,6 +22,8 @@ def sp(r):
 def overall(rs):
     return sum(r["modelled"][table]["plain"] for r in rs) / sum(r["modelled"][table]["hf_specdec"] for r in rs)
 ratios = [sp(new[k]) / sp(old[k]) for k in keys]
-g = math.exp(sum(map(math.log, ratios)) / len(ratios))
+logs = [math.log(r) for r in ratios]
+g = math.exp(sum(logs) / len(logs))
+se = (sum((x - math.log(g)) ** 2 for x in logs) / max(1, len(logs) - 1) / len(logs)) ** 0.5
 print(f"n={len(keys)} old overall {overall([old[k] for k in keys]):.3f}x new overall {overall([new[k] for k in keys]):.3f}x "
-      f"paired geo-mean new/old {g:.3f}, new faster on {sum(r > 1 for r in ratios)}; forwards old {sum(old[k]['target_forwards'] for k in keys)} new {sum(new[k]['target_forwards'] for k in keys)}")
+      f"paired geo-mean new/old {g:.3f} (95% {g * math.exp(-1.96 * se):.3f}-{g * math.exp(1.96 * se):.3f}), new faster on {sum(r > 1 for r in ratios)}; forwards old {sum(old[k]['target_forwards'] for k in keys)} new {sum(new[k]['target_forwards'] for k in keys)}")

@@ -65,12 +65,15 @@ def _measure(tokens: list[int], end: int, query: list[int], n: int, cap: int) ->
     return matched
 
 
-def _reaches(matched: int, end: int, start: int, context: int, query: list[int], cap: int) -> bool:
-    """Whether a match of `matched` tokens ending at `end`, in a sequence starting at `start` whose first
-    `context` tokens are the prompt it answered, is evidence: a match ending inside that prompt must reach
-    back to its start (or as far as a match is measured). Every chat prompt ends in the same assistant
-    header; matching only that offers a new prompt the start of another prompt's answer."""
-    return end - start > context or matched >= min(end - start, cap, len(query))
+def _evidence(matched: int, end: int, start: int, context: int, query: list[int], cap: int) -> int:
+    """How many of a match's `matched` tokens count, for a match ending at `end` in a sequence starting
+    at `start` whose first `context` tokens are the prompt it answered: all of them where the match
+    reaches back to that prompt's first stored token (or as far as a match is measured), else only
+    those in the output (0: none). Every chat prompt ends in the same assistant header; counted, it
+    made "header + The" a 5-token match and offered a new prompt another prompt's answer."""
+    if matched >= min(end - start, cap, len(query)):
+        return matched
+    return max(0, min(matched, end - start - context))
 
 
 def _follows(tokens: list[int], end: int, max_tokens: int) -> list[int]:
@@ -126,10 +129,10 @@ class _Finished:
         ends = [*self.starts[1:], len(self.tokens)]
         return [(self.tokens[a : b - 1], c) for a, b, c in zip(self.starts, ends, self.contexts)]
 
-    def evidence(self, end: int, matched: int, query: list[int], cap: int) -> bool:
-        """`_reaches` for a match ending at `end` here."""
+    def evidence(self, end: int, matched: int, query: list[int], cap: int) -> int:
+        """`_evidence` for a match ending at `end` here."""
         i = bisect.bisect_right(self.starts, end - 1) - 1
-        return _reaches(matched, end, self.starts[i], self.contexts[i], query, cap)
+        return _evidence(matched, end, self.starts[i], self.contexts[i], query, cap)
 
     def bytes(self) -> int:
         return _bytes(self.tokens, self.index, 1) + _bytes(self.starts, {}, 0) + _bytes(self.contexts, {}, 0)
@@ -178,8 +181,8 @@ class _Open:
             if tokens is None:
                 dead += 1  # a sequence closed since
             elif key != exclude and end < len(tokens):  # something follows it
-                matched = _measure(tokens, end, query, n, cap)
-                if _reaches(matched, end, 0, self.contexts[key], query, cap):
+                matched = _evidence(_measure(tokens, end, query, n, cap), end, 0, self.contexts[key], query, cap)
+                if matched:
                     out.append((tokens, end, matched))
                     if len(out) == most:
                         break
@@ -236,7 +239,7 @@ class RetrievalCache:
     the newest's tail always kept; about 600 bytes a token at the default `index_ngram`, more the longer
     the n-grams indexed: `memory_bytes()` counts it). `context`: how many prompt
     tokens before each output are kept with it (a later answer to the same prompt matches them; a
-    match ending among them counts only if it reaches back to the first kept, so a shared chat
+    match's tokens among them count only if it reaches back to the first kept, so a shared chat
     template's header alone proposes nothing).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
@@ -333,13 +336,16 @@ class RetrievalCache:
         if max_tokens < 1:
             return [], 0, []
         with self._lock:  # a match longer than the index's n-grams is found by its last n-gram and measured
+            found, seen = [], set()
             for n in range(min(self.index_ngram, len(query)), min(min_match, self.index_ngram) - 1, -1):
-                found = self._matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude)
-                if n < min_match:  # only past the index's n-grams: keep the matches measured long enough
-                    found = [f for f in found if f[2] >= min_match]
-                if found:
-                    return self._continuations(found, max_tokens, max_branches)
-            return [], 0, []
+                for f in self._matches(query, n, most, cap) + self._open.matches(query, n, most, cap, exclude):
+                    if f[2] >= min_match and (id(f[0]), f[1]) not in seen:  # measured long enough, and new
+                        seen.add((id(f[0]), f[1]))
+                        found.append(f)
+                # a shorter n-gram is tried only where what counts of the matches found (`_evidence`) is shorter
+                if found and max(f[2] for f in found) >= n:
+                    break
+            return self._continuations(found, max_tokens, max_branches) if found else ([], 0, [])
 
     # ------------------------------------------------------------------ size, disk
 
@@ -475,7 +481,8 @@ class RetrievalCache:
             ends = finished.index.get(gram, [])[-most:]
             measured = [(end, _measure(finished.tokens, end, query, n, cap)) for end in reversed(ends)
                         if finished.tokens[end] != SEPARATOR]
-            found += [(finished.tokens, end, m) for end, m in measured if finished.evidence(end, m, query, cap)]
+            counted = [(end, finished.evidence(end, m, query, cap)) for end, m in measured]
+            found += [(finished.tokens, end, m) for end, m in counted if m]
             most -= len(ends)
             if most <= 0:
                 return found

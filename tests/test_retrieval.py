@@ -495,14 +495,18 @@ def test_saves_are_whole_and_odd_inputs_are_named(tmp_path, monkeypatch):
 def test_a_match_inside_a_stored_prompt_counts_only_when_it_reaches_the_prompts_start(tmp_path):
     """Before: every chat prompt ends in the same assistant header, so a new prompt matched another
     prompt's stored tail on those tokens alone and was offered the start of that prompt's answer
-    (evals/results/cache-value/header_matches.txt). A match ending inside a stored prompt now has to
-    reach back to where the stored prompt starts; matches ending in the output are as before."""
+    (evals/results/cache-value/header_matches.txt), and "header + The" was a 5-token match. A match's
+    tokens in a stored prompt now count only if it reaches back to where that prompt starts."""
     header = [90, 91, 92]  # the template's tokens every prompt ends in
     cache = RetrievalCache(context=5)
     cache.add([10, 11, 12], context=[1, 2, 3, 4, *header])  # 5 kept: 3 4 90 91 92
     assert cache.lookup([7, 8, *header], max_tokens=3) == ([], 0)  # another prompt, the same header: nothing
     assert cache.lookup([3, 4, *header], max_tokens=3) == ([[10, 11, 12]], 4)  # the same prompt: its answer
     assert cache.lookup([8, 10, 11], max_tokens=3) == ([[12]], 2)  # a match ending in the output: as before
+    # "header + its answer's first token": only the token in the output counts (a 1-token match) ...
+    assert cache.lookup([7, 8, *header, 10], max_tokens=2) == ([[11, 12]], 1)
+    cache.add([44, 92, 10, 55])  # ... so a corpus's 2-token match of "92 10" is the longer one
+    assert cache.lookup([7, 8, *header, 10], max_tokens=2) == ([[55]], 2)
     cache.add([40, 41], context=[*header])  # a prompt shorter than `context`: all of it must match
     assert cache.lookup([*header], max_tokens=2)[0] == [[40, 41]]
     cache.add([90, 91, 92, 50])  # a corpus document (no prompt): matches anywhere
@@ -511,6 +515,7 @@ def test_a_match_inside_a_stored_prompt_counts_only_when_it_reaches_the_prompts_
     cache.open("a", context=[1, 2, 3, 4, *header])
     cache.extend("a", [20, 21])
     assert cache.lookup([5, 5, *header], max_tokens=2, exclude="b")[0] == [[50]]  # not row a's answer
+    assert cache.lookup([5, 5, *header, 20], max_tokens=2, exclude="b") == ([[21]], 1)
     assert cache.lookup([3, 4, *header], max_tokens=2, exclude="b")[0][0] in ([10, 11], [20, 21])
     # the extents survive a save; a file saved before they were kept loads with none (as matched then)
     cache.close("a")

@@ -70,7 +70,6 @@ from run_eval import PRESETS  # noqa: E402
 
 MODE = "sampling"  # the cost table's row that prices positions and pins hf_specdec's costs
 METHODS = ("hf_specdec", "hf_specdec+cache")
-CHAINS = "hf_specdec+cache-chains"  # the cache's top continuation as a chain only (tree=False): an ablation, not a default
 STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")  # the HumanEval harness's stop sequences
 REPORT_PROMPTS = PRESETS["standard"].prompts_per_category  # the standard preset's prompts per category (5)
 DEFAULT_TABLE = HERE / "results" / "standard" / "cost_table.json"
@@ -196,7 +195,7 @@ def _exited(child: subprocess.Popen, timeout: float) -> bool:
 
 
 def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, max_new_tokens: int, timers: dict,
-             cache, seed: int, tree: bool = True) -> dict:
+             cache, seed: int) -> dict:
     """One hf_specdec call with costs pinned from `table` as evals/replay.py pins them; its record."""
     ids = torch.tensor([prompt["input_ids"]])
     window = hf_specdec.SpeculativeConfig().window_for(True)
@@ -209,7 +208,7 @@ def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, 
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
                           temperature=workload.temperature, top_p=workload.top_p,
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
-                          acceptance_sink=rounds.append, tree=tree, **pins, **extra)
+                          acceptance_sink=rounds.append, **pins, **extra)
     work = with_scored({name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}, rounds)
     tokens = out.sequences[0, ids.shape[1]:].tolist()
     return dict(prompt_tokens=ids.shape[1], new_tokens=len(tokens), tokens=tokens, work=work,
@@ -233,14 +232,14 @@ def finish_record(record: dict, prompt: dict, tokenizer, tables: dict[str, CostT
 def run_method(target, draft, tokenizer, prompts: list[dict], workload: Workload, method: str,
                tables: dict[str, CostTable], settings: dict, timers: dict, sink) -> tuple[list[dict], dict]:
     """Every call of `method` on `workload`: n samples a prompt, prompts in order; (records, run)."""
-    cache = hf_specdec.RetrievalCache() if method.startswith("hf_specdec+cache") else None
+    cache = hf_specdec.RetrievalCache() if method == "hf_specdec+cache" else None
     pin = next(iter(tables.values()))
     records, start = [], time.perf_counter()
     for prompt in prompts:
         for sample in range(settings["samples"]):
             began = time.perf_counter()
             record = one_call(target, draft, prompt, workload, pin, settings["max_new_tokens"], timers, cache,
-                              settings["seed"] + sample, tree=method != CHAINS)
+                              settings["seed"] + sample)
             record = dict(workload=workload.name, id=prompt["id"], sample=sample, method=method, **record)
             records.append(finish_record(record, prompt, tokenizer, tables, settings["execute"]))
             sink(record)
@@ -449,7 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "hf_specdec's costs, each one given again reprices the same work")
     parser.add_argument("--reprice", type=cost_table_file, action="append", default=[], help="another table to reprice the work with")
     parser.add_argument("--workloads", nargs="+", choices=tuple(WORKLOADS), default=list(WORKLOADS))
-    parser.add_argument("--methods", nargs="+", choices=(*METHODS, CHAINS), default=list(METHODS),
+    parser.add_argument("--methods", nargs="+", choices=METHODS, default=list(METHODS),
                         help="run these only (a variant of the library against a recorded run: its cached method)")
     parser.add_argument("--samples", type=positive_int, default=8, help="samples a prompt (n)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=128)

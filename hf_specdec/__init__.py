@@ -40,9 +40,7 @@ from .quantize import quantize_weights
 from .retrieval import RetrievalCache
 from .self_draft import early_exit_draft
 from .stats import AcceptanceStats, RoundRecord
-from .verify import (
-    greedy_tree_verification, greedy_verification, lazy_speculative_sampling, sampled_tree_verification, speculative_sampling,
-)
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, speculative_sampling
 
 # Folder holding `custom_generate/generate.py`: pass it as `custom_generate=` (with
 # `trust_remote_code=True`) to use the standard `assistant_model=` and `streamer=` arguments.
@@ -80,7 +78,6 @@ __all__ = [
     "lazy_speculative_sampling",
     "pack_linears",
     "quantize_weights",
-    "sampled_tree_verification",
     "speculative_generate",
     "speculative_sampling",
 ]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable, Iterable
+from typing import Iterable
 
 import torch
 from transformers import Cache, DynamicCache

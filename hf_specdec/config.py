@@ -86,10 +86,9 @@ class Costs:
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))  # a numpy float as the float it is
 
-    def verify_price(self, width: int, reach: Sequence[float] | None = None, walk: bool = False) -> float:
+    def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
-        lazily: P(its tokens 1..i + 1 accepted) at i; `walk`: a tree's nodes, each scored only when
-        the walk accepts it), less the positions it is not expected to score."""
+        lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
         curve = self.verify
         if not isinstance(curve, tuple):
             price = 1.0 + curve * (width - 1)
@@ -97,7 +96,7 @@ class Costs:
             price = curve[width - 1]
         else:
             price = curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
-        unpaid = 0.0 if reach is None else self.position * (sum(1.0 - r for r in reach) if walk else unscored(width, reach))
+        unpaid = self.position * unscored(width, reach) if reach is not None else 0.0
         return max(price - unpaid, 1e-3)  # a large `position` against a flat curve: never free
 
     def prefill_per_token(self) -> float:
@@ -125,10 +124,11 @@ class SpeculativeConfig:
     # (n = NGRAM_MAX_SIZE down to ngram_min_size; a 1-token match is priced by its own acceptance).
     ngram: bool = True
     ngram_min_size: int = 1
-    # Trees (one row): greedy, the retrieved continuations, the draft's chain and its runners-up in one
-    # trie; sampling, a RetrievalCache's continuations of one match (point masses, walked by one draw
-    # from p a node). Verified in one forward with a tree attention mask; at most tree_max_nodes nodes.
-    # False: chains.
+    # Trees (one row, greedy): the retrieved continuations, the draft's chain and its runners-up in
+    # one trie, verified in one forward with a tree attention mask; at most tree_max_nodes nodes.
+    # False: chains. Sampling verifies chains: sampled trees of a RetrievalCache's continuations did
+    # not pay on held-out prompts under a second cost table, nor on this CPU's wall clock
+    # (evals/results/sampled-trees/held-out/), and were deleted.
     tree: bool = True
     tree_max_nodes: int = 24
     # The draft encodes only the last `draft_window` tokens of the prompt and all it generates after

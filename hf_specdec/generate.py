@@ -199,7 +199,7 @@ class DecodeState:
     processors: RowProcessors  # the target's logits-processor pipeline, per row
     drafter: Drafter  # the draft source: the draft model, or the user's
     lookup: Retrieval | None  # in-row lookup and the retrieval cache (per row in a batch), or None
-    trees: bool  # rounds propose trees of candidates (one row, full-attention caches, config.tree)
+    trees: bool  # rounds propose trees of candidates (one row, greedy, full-attention caches, config.tree)
     planner: Planner
     config: SpeculativeConfig
     generation_config: GenerationConfig
@@ -250,7 +250,7 @@ def _start(
         unpadded = model_kwargs.get("attention_mask") is None or bool(model_kwargs["attention_mask"].all())
         use_lookup = config.ngram and not foreign and planner.adaptive
         tree_problem = column_bound(model)[1]  # (a target whose attention sees holes: refused in `validate`)
-        trees = (config.tree and use_lookup and rows == 1 and unpadded
+        trees = (config.tree and use_lookup and not generation_config.do_sample and rows == 1 and unpadded
                  and can_gather((cache, drafter.cache)) and tree_problem is None)  # else chains
         lookup = None
         if use_lookup:  # in-row lookup, and rows retrieving from each other (and earlier calls, with a cache)

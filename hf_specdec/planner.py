@@ -85,10 +85,10 @@ class CostCurve:
         line = self._line()
         return None if line is None else line[0]
 
-    def verify_price(self, width: int, reach: Sequence[float] | None = None, walk: bool = False) -> float:
+    def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens in every row, in one-token steps (`Costs.verify_price`)."""
         if self.pinned is not None:
-            return self.pinned.verify_price(width, reach if self.lazy and self.rows == 1 else None, walk)
+            return self.pinned.verify_price(width, reach if self.lazy and self.rows == 1 else None)
         line = self._line()
         if line is None:
             slope = PRIOR_SLOPE * self.rows if self.slope0 is None else self.slope0
@@ -263,10 +263,10 @@ class Planner:
         self.curve.rows = rows
 
     def best_nodes(self, reach: list[list[float]], base: float = 0.0, most: int | None = None,
-                   keep: list[list[int]] | None = None, walk: bool = False) -> tuple[list[list[int]], float]:
+                   keep: list[list[int]] | None = None) -> tuple[list[list[int]], float]:
         """(per row the nodes to verify, sorted; expected tokens per unit of cost). `reach[r][j]`: P(row
-        r's node j and its ancestors accepted), children after their parent. `keep` first; then the rest best
-        first, up to `most`; the prefix with the best rate kept. `base`: cost spent; `walk`: `Costs.verify_price`."""
+        r's node j and its ancestors accepted), children after their parent. `keep` first; then the rest
+        best first, up to `most`, and the prefix with the best rate is kept. `base`: cost already spent."""
         rows = len(reach)
         chosen = [sorted(k) for k in keep] if keep else [[] for _ in range(rows)]
         taken = {(r, j) for r in range(rows) for j in chosen[r]}
@@ -275,13 +275,13 @@ class Planner:
         tokens = rows + sum(reach[r][j] for r, j in taken)
         width = lambda counts: 1 + (sum(counts) if rows == 1 else max(counts, default=0))  # noqa: E731
         counts, chain = [len(c) for c in chosen], sorted((reach[r][j] for r, j in taken), reverse=True)
-        best_rate, best = tokens / (base + self.curve.verify_price(width(counts), chain, walk)), 0
+        best_rate, best = tokens / (base + self.curve.verify_price(width(counts), chain)), 0
         limit = len(order) if most is None else max(0, most - len(taken))
         for n, (p, r, _) in enumerate(order[:limit], start=1):
             tokens -= p
             counts[r] += 1
-            chain.append(-p)  # one row: a chain's nodes in order (a greedy tree is never priced lazily)
-            rate = tokens / (base + self.curve.verify_price(width(counts), chain, walk))
+            chain.append(-p)  # one row: a chain's nodes in order (a tree, greedy, is never priced lazily)
+            rate = tokens / (base + self.curve.verify_price(width(counts), chain))
             if rate > best_rate:
                 best_rate, best = rate, n
         for _, r, j in order[:best]:

@@ -557,9 +557,6 @@ class Retrieval:
         self.passed_over: dict[int, tuple[list[int], int, str]] = {}
         # per active row the cache's continuation found this round: its shares (`RetrievalCache.lookup_shares`)
         self.shares: dict[int, list[float]] = {}
-        # per active row whose cache continuation was chosen, with `match_rows(branches=...)`: the cache's
-        # continuations of that match, most frequent first, and their shares (a sampled tree's branches)
-        self.branches: dict[int, tuple[list[list[int]], list[list[float]]]] = {}
 
     def sync(self, prompts: list[list[int]], generated: list[list[int]], rows: list[int]) -> None:
         """Bring the cache's copy of each active row up to date; rows no longer active are closed."""
@@ -588,19 +585,16 @@ class Retrieval:
             self.cache.extend((self._key, row), generated[row][known:])
         self.cache.close((self._key, row))
 
-    def match_rows(self, request, rows: list[int], branches: int = 1) -> list[tuple[list[int], int, str]]:
+    def match_rows(self, request, rows: list[int]) -> list[tuple[list[int], int, str]]:
         """Per active row: (continuation, match size, source); ([], 0, NGRAM) where nothing matches.
-        The source not proposed is kept in `passed_over` (active row -> the same triple), to be scored;
-        with `branches` > 1, the cache's continuations where it is chosen in `branches`."""
-        out, self.passed_over, self.shares, self.branches = [], {}, {}, {}
+        The source not proposed is kept in `passed_over` (active row -> the same triple), to be scored."""
+        out, self.passed_over, self.shares = [], {}, {}
         for i, ((tokens, size), row, host) in enumerate(zip(self.ngram.match_rows(request), rows, request.host)):
-            found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), branches, row)
+            found = self._from_cache(host, min(self.ngram.max_tokens, request.max_tokens), 1, row)
             mine, theirs = (tokens, size, NGRAM), (found[0][0] if found[0] else [], found[1], CACHE)
             if found[0]:
                 self.shares[i] = found[2][0]
             chosen, other = (theirs, mine) if found[0] and self._better(found[1], size, found[2][0][0]) else (mine, theirs)
-            if chosen is theirs and branches > 1:
-                self.branches[i] = (found[0], found[2])
             out.append(chosen)
             if other[0]:
                 self.passed_over[i] = other

@@ -11,10 +11,10 @@ With continuous batching, `admit(state)` lets waiting prompts join before each r
 
 Device reads: a round reads the device at most three times, each one copy: the draft's tokens and
 confidences (`DraftModelDrafter.propose`), the verdict (accepted counts and emitted tokens; for a
-tree every node's argmax, or sampling one draw at every node), and the stopping criteria's answers.
-Everything else the planner and the lookups need is host data (`RaggedBatch` keeps each row's tokens
-and its mask on the host, so a compaction reads nothing). On a CPU a few more reads make sampling
-cheaper (`sampling.reads_are_free`: p only as far as it is needed); an acceptance sink adds its own.
+tree every node's argmax), and the stopping criteria's answers. Everything else the planner and the
+lookups need is host data (`RaggedBatch` keeps each row's tokens and its mask on the host, so a
+compaction reads nothing). On a CPU a few more reads make sampling cheaper (`sampling.reads_are_free`);
+an acceptance sink adds its own.
 """
 
 from __future__ import annotations
@@ -34,9 +34,7 @@ from .proposals import DraftRequest, Proposal
 from .proposals.tree import SIBLING, Trie, ancestors_mask, depths, path_tokens, retrieval_reach, tree_depth, tree_proposal
 from .sampling import logits_to_probs
 from .stats import CACHE, DRAFT, NGRAM, NONE, AcceptanceStats, RoundRecord
-from .verify import (
-    draw, greedy_verification, lazy_speculative_sampling, reads_are_free, sampled_tree_verification, tree_walk,
-)
+from .verify import greedy_tree_verification, greedy_verification, lazy_speculative_sampling, reads_are_free
 
 if TYPE_CHECKING:
     from .generate import DecodeState
@@ -71,7 +69,6 @@ class Verdict:
     seconds: float  # wall time of the stage
     path: list[int] | None = None  # trees: the accepted nodes, root first
     columns: int = 0  # columns the target's forward took in (the whole prompt in the first round)
-    scored: int = 0  # trees: the nodes (and root) the processors scored (chains: target_scores' positions)
 
     @property
     def accepted(self) -> list[int]:
@@ -132,7 +129,7 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     trace = Trace(lag=batch.width - cached)
     if room <= 0:
         proposal = Proposal.nothing(batch.size, batch.ids.device)
-    elif state.trees and not state.generation_config.do_sample:
+    elif state.trees:
         proposal = _propose_tree(state, request, room, trace)
     else:
         proposal = _propose_chains(state, request, room, trace)
@@ -159,8 +156,8 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     verified by the planner's stop rule, each token kept on what the tokens before it said: under
     sampling a drafted token must not be kept or dropped by its own value (that would bias q)."""
     planner, rows = state.planner, state.batch.size
-    found = (state.lookup.match_rows(dataclasses.replace(request, max_tokens=room), state.batch.rows,
-                                     TREE_BRANCHES if state.trees else 1) if state.lookup else [([], 0, NGRAM)] * rows)
+    found = (state.lookup.match_rows(dataclasses.replace(request, max_tokens=room), state.batch.rows)
+             if state.lookup else [([], 0, NGRAM)] * rows)
     lookups = [(tokens, size) for tokens, size, _ in found]
     trace.match_sizes, trace.match_sources = [size for _, size in lookups], [source for _, _, source in found]
     reach = [_lookup_reach(state, tokens, size, source, _shares(state, i, source))
@@ -170,8 +167,6 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
         chains = [tokens[: len(nodes)] for (tokens, _), nodes in zip(lookups, plan.nodes)]
         trace.unverified = {r: tokens for r, ((tokens, _), chain) in enumerate(zip(lookups, chains)) if tokens and not chain}
         trace.retrieved = {r for r, chain in enumerate(chains) if chain}
-        if state.trees and chains[0] and (tree := _cached_tree(state, lookups[0][1], plan.rate, trace)) is not None:
-            return tree
         return _point_masses(chains, request.ids.device) if any(chains) else Proposal.nothing(rows, request.ids.device)
     expected = sum(planner.acceptance.draft_reach(plan.draft))  # a draft row's expected accepted tokens
     use_lookup = [sum(r) > expected for r in reach]
@@ -187,28 +182,6 @@ def _propose_chains(state: DecodeState, request: DraftRequest, room: int, trace:
     retrieved = [tokens[:n] if lookup else None for (tokens, _), n, lookup in zip(lookups, lengths, use_lookup)]
     trace.retrieved = {r for r, lookup in enumerate(use_lookup) if lookup}
     return _mixed(chain, retrieved, [drafted if t is None else len(t) for t in retrieved])
-
-
-def _cached_tree(state: DecodeState, size: int, chain_rate: float, trace: Trace) -> Proposal | None:
-    """(sampling, one row, the cache's continuation planned) The cache's other continuations of the
-    same match beside it (`Retrieval.branches`), each node's reach its source's acceptance times the
-    shares down its path, as a tree walked node by node (`verify.sampled_tree_verification`), when the
-    nodes that pay branch and beat the chain's rate; else None (the chain)."""
-    branches, planner = state.lookup.branches.get(0), state.planner
-    if not branches or len(branches[0]) < 2:
-        return None
-    trie, reach, a = Trie(), [], planner.acceptance.lookup_at(size, CACHE)
-    for tokens, shares in zip(*branches):
-        for node, share in zip(trie.insert(tokens, NGRAM, count=True), shares):
-            if node == len(reach):  # a new node: parents come first
-                parent = trie.parents[node]
-                reach.append(a * share * (1.0 if parent < 0 else reach[parent]))
-    nodes, rate = planner.best_nodes([reach], most=state.config.tree_max_nodes, walk=True)
-    keep = nodes[0]
-    if rate <= chain_rate or len({trie.parents[j] for j in keep}) == len(keep):  # no branch: the chain
-        return None
-    trace.estimates = [reach[j] for j in keep]
-    return tree_proposal(trie, keep, None, NGRAM, state.batch.ids.device)  # it branches: a Tree
 
 
 def lookup_lengths(planner: Planner, reach: list[list[float]], confidences: list[list[float]],
@@ -353,42 +326,29 @@ def verify(state: DecodeState, proposal: Proposal) -> Verdict:
 
 
 def _verify_tree(state: DecodeState, proposal: Proposal) -> Verdict:
-    """2 (trees, one row). One target forward over the pending token(s) and every node, each node
-    seeing only its ancestors; the processed scores at a node with its own branch as the processors'
-    prefix; the walk on the host (`verify.tree_walk`). Greedy: every node's argmax read in one copy.
-    Sampling: one draw from p at each node the walk reaches, scored as it gets there where reads are
-    free (the CPU), else drawn at every node at once and read in one copy."""
+    """2 (trees, one row, greedy). One target forward over the pending token(s) and every node, each
+    node seeing only its ancestors; the processed scores at every node (its own branch as the
+    processors' prefix), their argmaxes read in one copy, and the walk on the host."""
     start, batch, tree = state.clock.now(), state.batch, proposal.tree
     tokens = proposal.host_tokens()[0]
     columns = batch.ids.shape[1] - state.cache.get_seq_length() + len(tokens)
     logits = extend_tree(state.model, state.cache, batch.ids, proposal.tokens, ancestors_mask(tree.parents),
                          depths(tree.parents))[0]  # [n + 1, vocab]: after the last real token, then after each node
-    prefixes, scores = batch.prefixes(), {}
-
-    def scores_at(node: int) -> torch.Tensor:  # [vocab]
-        if node not in scores:
-            branch = to_device([path_tokens(tokens, tree.parents, node)], logits.device)
-            scores[node] = state.processors.scores(prefixes, branch, logits[node + 1][None])[0]
-        return scores[node]
-
-    if state.generation_config.do_sample and reads_are_free(logits.device):
-        path, extra = sampled_tree_verification(tokens, tree.parents, lambda node: logits_to_probs(scores_at(node)),
-                                                state.generator)
-    else:
-        every = torch.stack([scores_at(node) for node in range(-1, len(tokens))])  # [n + 1, vocab]
-        if state.generation_config.do_sample:
-            choice = draw(logits_to_probs(every), state.generator).tolist()  # one draw a node: the one device read
-        else:
-            choice = every.argmax(dim=-1).tolist()  # the verdict's one device read
-        path, extra = tree_walk(tokens, tree.parents, lambda node: choice[node + 1])
-    walk = [-1] + path
+    prefixes = batch.prefixes()
+    scores = []
+    for node in range(-1, len(tokens)):
+        branch = to_device([path_tokens(tokens, tree.parents, node)], logits.device)
+        scores.append(state.processors.scores(prefixes, branch, logits[node + 1][None])[0])
+    scores = torch.stack(scores)  # [n + 1, vocab]
+    argmax = scores.argmax(dim=-1).tolist()  # the verdict's one device read
+    path, extra = greedy_tree_verification(tokens, tree.parents, lambda node: argmax[node + 1])
+    walk = to_device([n + 1 for n in [-1] + path], logits.device)
     emitted = [tokens[j] for j in path] + [extra]
     return Verdict(
         num_accepted=to_device([len(path)], logits.device),
         emitted=to_device([emitted], logits.device), tokens=[emitted],
-        target_scores=torch.stack([scores_at(node) for node in walk])[None],
-        target_logits=logits.index_select(0, to_device([n + 1 for n in walk], logits.device))[None],
-        target_probs=None, seconds=state.clock.now() - start, path=path, columns=columns, scored=len(scores),
+        target_scores=scores.index_select(0, walk)[None], target_logits=logits.index_select(0, walk)[None],
+        target_probs=None, seconds=state.clock.now() - start, path=path, columns=columns,
     )
 
 
@@ -640,7 +600,7 @@ def _record(state: DecodeState, proposal: Proposal, trace: Trace, verdict: Verdi
         accepted_from=_accepted_from(proposal, i, accepted, verdict.path),
         cache_length=state.cache.get_seq_length(), estimated_acceptance=trace.estimates,
         retrieval=_match(trace, i)[1] if _retrieved(proposal, trace, i) else "",
-        scored=verdict.target_scores.shape[1] if proposal.tree is None else verdict.scored,
+        scored=verdict.target_scores.shape[1] if proposal.tree is None else len(proposal.tree.parents) + 1,
     )
 
 

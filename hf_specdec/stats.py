@@ -49,8 +49,7 @@ class RoundRecord:
     # "cache" (a `RetrievalCache`: earlier outputs, or other rows of the call); "" otherwise.
     retrieval: str = ""
     # Positions at which the target's processors ran (the rows' own, in a batch): every node in greedy
-    # decoding; when sampling on a CPU up to the chunk of the batch's last first rejection, or in a tree
-    # the root and the nodes the walk accepted.
+    # decoding; when sampling on a CPU up to the chunk of the batch's last first rejection.
     scored: int = 0
 
     def to_dict(self) -> dict[str, Any]:

@@ -374,15 +374,9 @@ def probability_flaws(probs: torch.Tensor, where: torch.Tensor,
 # ---------------------------------------------------------------- trees of candidates
 #
 # A tree proposal (`hf_specdec.proposals.tree`) is flat: node j has a token and a parent (-1: the
-# row's last real token, the root); parents come before children. Every node is a point mass (a
-# retrieved token, or greedy's draft chain and runners-up), and the walk is one rule: at each node
-# reached, take the target's choice there (greedy: its argmax; sampling: one draw from p at that
-# node); go on into the child holding it, else emit it and stop. Greedy gives plain greedy's output
-# token for token. Sampling gives plain sampling's law: each token emitted is a fresh draw from p
-# given the tokens before it (the tree was built before the draws, from past tokens only), and
-# whether it matched a child only decides whether the next draw comes from this forward. This is the
-# point-mass case of the rejection rule: a child x is kept with probability p(x), and a draw that
-# misses every child is distributed as p without them, renormalized (the residual after each miss).
+# row's last real token, the root); parents come before children. Trees are verified greedily (the
+# loop verifies sampled rounds as chains): follow the target's argmax down the tree; emit it where
+# no child holds it. The output is plain greedy's, token for token.
 
 
 def greedy_tree_verification(
@@ -391,45 +385,16 @@ def greedy_tree_verification(
     target_argmax_at: Callable[[int], int],  # node -> the target's argmax after it
 ) -> tuple[list[int], int]:
     """Follow the target's argmax down the tree. Returns (accepted nodes, the extra token)."""
-    return tree_walk(tokens, parents, target_argmax_at)
-
-
-def sampled_tree_verification(
-    tokens: list[int],  # [n]: point masses, chosen before this round's draws
-    parents: list[int],  # [n]
-    target_probs_at: Callable[[int], torch.Tensor],  # node -> p after it: [vocab]
-    generator: torch.Generator | None = None,
-) -> tuple[list[int], int]:
-    """Follow one draw from p at each node reached down the tree (p asked for only at those nodes).
-    Returns (accepted nodes, the extra token: the first draw no child holds, or the bonus at a leaf)."""
-
-    def choice(node: int) -> int:
-        p = target_probs_at(node)
-        if not isinstance(p, torch.Tensor) or p.dim() != 1:
-            raise ValueError(f"target_probs_at(node) must return p after the node as a 1-D [vocab] tensor, got "
-                             f"{tuple(p.shape) if isinstance(p, torch.Tensor) else type(p).__name__}")
-        return int(draw(p[None], generator))
-
-    return tree_walk(tokens, parents, choice)
-
-
-def tree_walk(
-    tokens: list[int],  # [n]
-    parents: list[int],  # [n]
-    choice_at: Callable[[int], int],  # node -> the target's token after it (its argmax, or a draw from p)
-) -> tuple[list[int], int]:
-    """From the root, go on into the child holding the target's choice while one does. Returns (the
-    accepted nodes, the choice no child held)."""
     tokens, parents = (x.tolist() if isinstance(x, torch.Tensor) else list(x) for x in (tokens, parents))
     if len(tokens) != len(parents):  # (tensors as dict keys would hash by identity: no child ever found)
         raise ValueError(f"a tree has one token per node: {len(tokens)} tokens for {len(parents)} parents")
     children = _tree_children(parents)
     node, path = -1, []
     while True:
-        choice = choice_at(node)
-        accepted = next((c for c in children.get(node, ()) if tokens[c] == choice), None)
+        best = target_argmax_at(node)
+        accepted = next((c for c in children.get(node, ()) if tokens[c] == best), None)
         if accepted is None:
-            return path, choice
+            return path, best
         path.append(accepted)
         node = accepted
 

@@ -84,19 +84,3 @@ def chi_square_against(law, samples) -> tuple[float, int, float]:
     expected = [e * n / sum(expected) for e in expected]
     result = stats.chisquare(observed, expected)
     return float(result.statistic), len(observed) - 1, float(result.pvalue)
-
-
-def second_chance_walk(tokens, parents, target_probs_at, generator=None):
-    """`hf_specdec.verify.sampled_tree_verification`, broken on purpose: a draw that no child holds is
-    drawn once more, so the tree's tokens gain mass (P(child x) = p(x) (1 + P(miss)))."""
-    from hf_specdec.verify import draw, tree_walk
-
-    children = {}
-    for j, parent in enumerate(parents):
-        children.setdefault(parent, set()).add(tokens[j])
-
-    def choice(node):
-        token = int(draw(target_probs_at(node)[None], generator))
-        return token if token in children.get(node, ()) else int(draw(target_probs_at(node)[None], generator))
-
-    return tree_walk(tokens, parents, choice)

@@ -40,7 +40,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 import hf_specdec
 import hf_specdec.rounds
-from conftest import chi_square_against, perturbed, second_chance_walk, tiny_model
+from conftest import chi_square_against, perturbed, tiny_model
 from hf_specdec.proposals import DraftModelDrafter
 from hf_specdec.sampling import RowProcessors, logits_to_probs
 from hf_specdec.stats import DRAFT, NGRAM, NONE
@@ -543,43 +543,6 @@ def test_broken_cache_peeking_at_the_uniforms_is_detected(pair, monkeypatch):
     samples, used = _cache_calls(target, draft, cache, 40)
     assert used > ROWS // 10
     assert law_pvalue(law, samples, "BROKEN (cache peeking at the uniforms)") < ALPHA
-
-
-# ---------------------------------------------------------------- sampled trees (one row)
-
-TREE_CALLS = 500  # one call a sample (trees are single-row); power vs the second-chance variant: see its test
-
-
-def _tree_calls(target, draft, seed):
-    """A RetrievalCache filled by an earlier batched call's 300 answers, then TREE_CALLS single-row
-    calls retrieving from it and from each other: their rounds verify trees of the distinct cached
-    continuations (drafting priced out, c = 5). Returns the samples and the rounds that branched."""
-    cache, branching = hf_specdec.RetrievalCache(), Counter()
-    kwargs = levers_kwargs(draft, 5.0, retrieval_cache=cache)
-    sample_rows(target, seed, PROMPT.tolist(), rows=300, **kwargs)
-
-    def sink(record):
-        branching.update([record.parents is not None and len(set(record.parents)) < len(record.parents)])
-
-    return sample_sequences(target, seed + 1, samples=TREE_CALLS, acceptance_sink=sink, **kwargs), branching[True]
-
-
-@pytest.mark.parametrize("broken, free", [(False, True), (True, True), (False, False)])
-def test_sampled_trees_of_cached_continuations_are_exact(pair, broken, free, monkeypatch):
-    """A single row walks a tree of the cache's distinct continuations by one draw from p a node
-    (point masses chosen before the round's draws): the target's law. The broken walk, which draws
-    once more where no child holds the first draw, is rejected at the same seed and size (its
-    first-token chi2 128 on 3 dof, p 1e-27). `free`
-    False: the accelerator's path (a draw at every node, read in one copy), run on the CPU."""
-    target, draft, law = pair
-    if not free:
-        monkeypatch.setattr(hf_specdec.rounds, "reads_are_free", lambda device: False)
-    if broken:
-        monkeypatch.setattr(hf_specdec.rounds, "sampled_tree_verification", second_chance_walk)
-    samples, branching = _tree_calls(target, draft, 50)
-    assert branching > TREE_CALLS // 2  # branching trees verified in more rounds than half the calls
-    label = "BROKEN (sampled tree, second chance)" if broken else f"sampled trees of cached continuations (free={free})"
-    assert (law_pvalue(law, samples, label) > ALPHA) != broken
 
 
 # ---------------------------------------------------------------- drafts whose vocabulary differs by padding rows

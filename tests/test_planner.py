@@ -574,8 +574,7 @@ def test_a_lookup_beside_drafted_rows_is_sized_for_the_batch():
 
 def test_each_round_records_the_positions_its_target_scored():
     # What the eval's cost model charges (`RoundRecord.scored`): greedy scores every proposed position;
-    # sampling on a CPU scores chunk by chunk ([0, 4), [4, 12), ...) up to the row's first rejection,
-    # and a tree node by node.
+    # sampling on a CPU scores chunk by chunk ([0, 4), [4, 12), ...) up to the row's first rejection.
     target = tiny_model(vocab=64)
     draft = perturbed(target, 0.5)
     prompt = torch.tensor([[1, 5, 9, 2, 7, 3, 11, 13, 5, 9, 2, 7, 3, 11, 13, 5, 9, 2, 7, 3, 11, 13, 5, 9]])
@@ -583,21 +582,12 @@ def test_each_round_records_the_positions_its_target_scored():
     spec(target, draft, prompt, max_new_tokens=40, acceptance_sink=records.append, tree=False)
     assert records and all(r.scored == len(r.draft_tokens) + 1 for r in records)
     records.clear()
-    cache = hf_specdec.RetrievalCache()  # earlier calls' continuations: sampled trees of them
-    for seed in range(4):
-        torch.manual_seed(seed)
-        spec(target, draft, prompt, max_new_tokens=60, do_sample=True, top_p=0.9, acceptance_sink=records.append,
-             costs=Costs(draft_step=0.05, verify=0.01), retrieval_cache=cache)
-    chains, trees = [r for r in records if r.parents is None], [r for r in records if r.parents is not None]
-    assert all(r.scored == lazy_scored(len(r.draft_tokens), r.num_accepted) for r in chains)
+    torch.manual_seed(1)
+    spec(target, draft, prompt, max_new_tokens=60, do_sample=True, top_p=0.9, acceptance_sink=records.append,
+         costs=Costs(draft_step=0.05, verify=0.01))
+    assert all(r.scored == lazy_scored(len(r.draft_tokens), r.num_accepted) for r in records)
     assert [lazy_scored(20, n) for n in (0, 3, 4, 11, 12, 20)] == [4, 4, 12, 12, 21, 21]  # the evals charge this
-    assert any(r.scored < len(r.draft_tokens) + 1 for r in chains)  # the lazy rule stopped early somewhere
-    # a sampled tree is walked node by node: the root and the nodes it accepted
-    assert trees and all(r.scored == r.num_accepted + 1 for r in trees)
-    assert any(r.scored < len(r.draft_tokens) + 1 for r in trees)
-    # and priced so: a node not reached is not charged its position (`Costs.position`)
-    costs = Costs(draft_step=0.1, verify=0.05, position=0.01)
-    assert costs.verify_price(3, [0.5, 0.2], walk=True) == pytest.approx(1.1 - 0.01 * (0.5 + 0.8))
+    assert any(r.scored < len(r.draft_tokens) + 1 for r in records)  # the lazy rule stopped early somewhere
 
 
 def test_planner_arguments_are_checked_by_name():

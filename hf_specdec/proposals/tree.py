@@ -2,9 +2,8 @@
 that the target verifies in one forward.
 
 A tree is stored flat: node j has a token and a parent (-1: the row's last real token, the root), and
-parents come before their children. Every node is a point mass, and the walk (`hf_specdec.verify.tree_walk`)
-follows the target's argmax (greedy: the output is plain greedy's) or one draw from p a node (sampling,
-trees of a RetrievalCache's continuations: the target's law).
+parents come before their children. Trees are verified greedily (`hf_specdec.verify.greedy_tree_verification`):
+the walk follows the target's argmax, so every node is a point mass and the output is plain greedy's.
 
 Retrieval (`ngram_continuations`): every earlier occurrence of the sequence's last n tokens (the
 longest n that occurs, as in prompt lookup), most recent first, contributes the tokens that followed
@@ -197,7 +196,7 @@ def tree_proposal(trie: Trie, keep: list[int], chain: Proposal | None, source: s
     """The proposal verifying nodes `keep` of `trie`, which holds `chain`'s tokens (when a draft chain
     is given) as its first nodes; the kept ones among them are a prefix of the chain. A plain chain
     when the kept nodes do not branch and come from one source (verified by the chain rule); a `Tree`
-    otherwise. Every node is a point mass (a sampled tree holds no draft chain)."""
+    otherwise. Greedy only: every node is a point mass."""
     tokens, parents = subtree(trie, keep)
     kept = sorted(keep)
     drafted, forwards = 0, 0 if chain is None else chain.forwards

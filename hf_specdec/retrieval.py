@@ -222,10 +222,12 @@ def _write_whole(path: Path, text: str) -> None:
     replaced, the link kept), and a file replaced keeps its permissions."""
     path = Path(os.path.realpath(path))
     spare = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        spare.write_text(text)
-        if path.exists():
-            os.chmod(spare, stat.S_IMODE(path.stat().st_mode))
+    mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+    try:  # created no more open than the file it replaces (the umask applies), then given its exact mode
+        with os.fdopen(os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode), "w") as f:
+            f.write(text)
+        if mode is not None:
+            os.chmod(spare, mode)
         os.replace(spare, path)
     except BaseException:
         spare.unlink(missing_ok=True)
@@ -240,7 +242,8 @@ class RetrievalCache:
     the n-grams indexed: `memory_bytes()` counts it). `context`: how many prompt
     tokens before each output are kept with it (a later answer to the same prompt matches them; a
     match's tokens among them count only if it reaches back to the first kept, so a shared chat
-    template's header alone proposes nothing).
+    template's header alone proposes nothing; an ending shared by many prompts that is `context` tokens
+    or longer, such as a fixed closing instruction, still matches in full: raise `context` past it).
     `index_ngram`: the longest n-gram indexed; matches are measured further back, up to `max_match`.
     `max_occurrences`: the most recent occurrences of an n-gram examined per lookup (per sequence
     being generated, and in the finished ones)."""
@@ -378,7 +381,8 @@ class RetrievalCache:
     @classmethod
     def load(cls, path: str | Path) -> "RetrievalCache":
         """A new cache, the one `save` wrote: `cache = RetrievalCache.load(path)` (a classmethod: called on a
-        cache, it returns a new one and leaves that cache as it was)."""
+        cache, it returns a new one and leaves that cache as it was). A file saved before 2026-12-06 has no
+        prompt extents: its stored prompts match as they did then (header matches included)."""
         try:
             data = json.loads(Path(path).read_text())
         except FileNotFoundError:
@@ -407,8 +411,9 @@ class RetrievalCache:
             with cache._lock:
                 for tokens, context in zip(sequences, contexts):
                     ids = cache._ids(tokens)
-                    if _count(context) > len(ids):
-                        raise ValueError(f"a sequence of {len(ids)} tokens cannot have a context of {context}")
+                    if _count(context) > min(len(ids), cache.context):
+                        raise ValueError(f"a sequence of {len(ids)} tokens saved with context={cache.context} "
+                                         f"cannot have a context of {context}")
                     cache._add(ids, context)
         except (KeyError, TypeError, AttributeError, ValueError) as err:
             raise ValueError(f"{path} is not a valid saved hf_specdec.RetrievalCache: {type(err).__name__}: {err}") from err

@@ -451,20 +451,30 @@ def test_saves_are_whole_and_odd_inputs_are_named(tmp_path, monkeypatch):
     was stored in its arbitrary order; a cap of 1 held 2 tokens; a list as a key, a 0-d tensor as a
     size, and another version's file were refused with bare or vague errors."""
     import json
-    import pathlib
+    import os
 
     path = tmp_path / "c.json"
     cache = RetrievalCache()
     cache.add([1, 2, 3, 4])
     cache.save(path)
     cache.add(list(range(5, 500)))
-    written = pathlib.Path.write_text
+    opened = os.fdopen
 
-    def full_disk(self, text, *args, **kwargs):
-        written(self, text[: len(text) // 2])
-        raise OSError(27, "File too large")
+    class FullDisk:  # the file the save writes: half of it fits
+        def __init__(self, fd, *args, **kwargs):
+            self.file = opened(fd, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.file.close()
+
+        def write(self, text):
+            self.file.write(text[: len(text) // 2])
+            raise OSError(27, "File too large")
+
+    monkeypatch.setattr(os, "fdopen", FullDisk)
     with pytest.raises(OSError, match="too large"):
         cache.save(path)
     monkeypatch.undo()
@@ -549,3 +559,17 @@ def test_a_save_over_a_link_or_a_private_file_keeps_them(tmp_path):
     cache.save(link)
     assert link.is_symlink() and len(RetrievalCache.load(real)) == len(cache)
     assert stat.S_IMODE(real.stat().st_mode) == 0o600
+
+
+@pytest.mark.parametrize("contexts", [[True], [-1], ["3"], [3.0], [[1]], None, 5, [4], [2, 2]])
+def test_a_saved_file_with_bad_prompt_extents_is_named(tmp_path, contexts):
+    """Each sequence's prompt extent must be a count of at most its length and the saved `context`, one a sequence."""
+    cache = RetrievalCache(context=3)
+    cache.add([10, 11], context=[1, 2, 3])  # 5 tokens, 3 of them prompt
+    cache.save(tmp_path / "c.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    assert data["contexts"] == [3]
+    data["contexts"] = contexts
+    (tmp_path / "bad.json").write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="not a valid saved hf_specdec.RetrievalCache"):
+        RetrievalCache.load(tmp_path / "bad.json")

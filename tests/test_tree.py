@@ -246,6 +246,13 @@ def test_trees_by_default_for_greedy_decoding_chains_when_sampling():
     torch.manual_seed(0)
     _, records = _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=0.7)
     assert records and all(r.parents is None for r in records)
+    # with a RetrievalCache whose matches have several continuations (where sampled trees, deleted
+    # after a held-out check, used to branch): chains still, some of them the cache's
+    cache, records = hf_specdec.RetrievalCache(), []
+    for seed in range(6):
+        torch.manual_seed(seed)
+        records += _tree_records(target, draft, REPETITIVE, do_sample=True, temperature=1.5, retrieval_cache=cache)[1]
+    assert any(r.retrieval == "cache" for r in records) and all(r.parents is None for r in records)
 
 
 def test_trees_stop_exactly_at_eos_and_max_new_tokens():

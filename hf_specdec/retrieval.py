@@ -223,6 +223,7 @@ def _write_whole(path: Path, text: str) -> None:
     path = Path(os.path.realpath(path))
     spare = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
+    spare.unlink(missing_ok=True)  # one a crashed save of an earlier process with this pid left
     try:  # created no more open than the file it replaces (the umask applies), then given its exact mode
         with os.fdopen(os.open(spare, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666 if mode is None else mode), "w") as f:
             f.write(text)

@@ -405,12 +405,13 @@ def workload_prompts(tokenizer, names: list[str], limit: int | None,
     out = {}
     for name in names:
         category = WORKLOADS[name].category
-        prompts = load_prompts(tokenizer, [category], REPORT_PROMPTS, "report")[:limit]
+        prompts = load_prompts(tokenizer, [category], REPORT_PROMPTS, "report")  # the standard preset's (quick's too)
         if held_out:
-            preset = {p["id"] for p in load_prompts(tokenizer, [category], REPORT_PROMPTS, "report")}  # quick's too
+            preset = {p["id"] for p in prompts}
             pool = [p for p in load_prompts(tokenizer, [category], None, "report") if p["id"] not in preset]
             n = min(limit or REPORT_PROMPTS, len(pool))
             prompts = [pool[(2 * i + 1) * len(pool) // (2 * n)] for i in range(n)]
+        prompts = prompts[:limit]
         for prompt in (p for p in prompts if p["id"] in problems):
             prompt.update(problem=problems[prompt["id"]], chat=humaneval_chat)
             if not humaneval_chat:

@@ -11,7 +11,7 @@ def load(path):
     path, _, method = str(path).partition(":")
     path = Path(path)
     path = path / "records.jsonl" if path.is_dir() else path
-    return {(r["id"], r["sample"]): r for r in map(json.loads, path.open()) if r.get("method", method) == (method or r.get("method"))}
+    return {(r["id"], r["sample"]): r for r in map(json.loads, path.open()) if not method or r.get("method") == method}
 
 
 

@@ -249,3 +249,71 @@ def test_less_used_entry_points_name_their_inputs():
     packed = hf_specdec.pack_linears(tiny_model("llama", vocab=64, seed=3))
     with pytest.raises(ValueError, match="packed already"):
         hf_specdec.pack_linears(packed, decode_bits=8)
+
+
+# ---------------------------------------------------------------- a draft guided by a lookup's guess
+
+
+def _two_rounds(drafter, prompt: torch.Tensor, guess) -> tuple[list[list[int]], list[torch.Tensor | None], int]:
+    """Two rounds of four drafted tokens each, the first round's first two kept and a token of the
+    target's after them (the draft cache rolled back as the loop rolls it back): per round the tokens,
+    q, and the forwards both took. `guess(round, drafted)`: the guess a round is given, or None."""
+    from hf_specdec.cache import rollback
+    from hf_specdec.proposals import DraftRequest
+    from hf_specdec.sampling import Prefixes
+
+    ids, tokens, probs, forwards = prompt, [], [], 0
+    for round in range(2):
+        request = DraftRequest(ids, None, Prefixes.from_tensor(ids, [0]), 4, [ids[0].tolist()], confidences=True,
+                               keep_drafting=lambda confidences: True,
+                               guess=None if guess is None else (lambda drafted, round=round: guess(round, drafted)))
+        proposal = drafter.propose(request)
+        tokens.append(proposal.host[0])
+        probs.append(proposal.draft_probs)
+        forwards += proposal.forwards
+        ids = torch.cat([ids, proposal.tokens[:, :2], torch.tensor([[7]])], dim=1)
+        rollback([drafter.cache], ids.shape[1] - 1)
+    return tokens, probs, forwards
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_a_guided_draft_draws_the_tokens_and_q_of_plain_drafting(do_sample, monkeypatch, broken=False):
+    """A draft fed a lookup's guess ahead (`DraftRequest.guess`) draws each token from the q plain
+    drafting computes, with the same uniforms, so its chain has plain drafting's law (whose exactness
+    the chi-squares test): the tokens are the same, q the same to float rounding, whether the guess is
+    right, half right or wrong; a right one takes fewer forwards. Broken (below): the logits computed after a
+    guessed token followed after a drawn token that differs from it (q given a token not drawn)."""
+    from hf_specdec.proposals import DraftModelDrafter
+    from test_exactness import processors
+
+    if broken:
+        monkeypatch.setattr(hf_specdec.proposals.draft_model, "_guessed", lambda token, guess: True)
+    target = tiny_model(vocab=64, seed=3)
+    draft = tiny_model(vocab=64, seed=4)
+    prompt = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    differ = 0
+    for seed in range(12):
+        def run(guess):
+            drafter = DraftModelDrafter(draft, processors() if do_sample else None, do_sample,
+                                        generator=torch.Generator().manual_seed(seed))
+            return _two_rounds(drafter, prompt, guess)
+
+        plain, plain_q, plain_forwards = run(None)
+        right = lambda r, drafted: plain[r][len(drafted):] if drafted == plain[r][: len(drafted)] else []  # noqa: E731
+        half = lambda r, drafted: [t if j % 2 else (t + 1) % 64 for j, t in enumerate(right(r, drafted))]  # noqa: E731
+        wrong = lambda r, drafted: [(t + 1) % 64 for t in right(r, drafted)]  # noqa: E731
+        for name, guess in (("right", right), ("half right", half), ("wrong", wrong)):
+            tokens, q, forwards = run(guess)
+            if tokens != plain:
+                differ += 1
+                continue
+            for a, b in zip(q, plain_q):
+                assert (a is None and b is None) or torch.allclose(a, b, atol=1e-5), name
+            if name == "right":
+                assert forwards < plain_forwards
+    assert differ == 0, f"{differ} guided drafts drew other tokens than plain drafting"
+
+
+def test_broken_guided_draft_keeping_guessed_columns_is_detected(monkeypatch):
+    with pytest.raises(AssertionError, match="other tokens than plain drafting"):
+        test_a_guided_draft_draws_the_tokens_and_q_of_plain_drafting(True, monkeypatch, broken=True)

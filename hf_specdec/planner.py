@@ -15,18 +15,18 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
   draft runs when its planned chain (`draft_length`; a cold draft also pays its prefill, spread over
   what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
-  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
-
+  j + 1 on what tokens 1..j said (a lone row's fed its lookup's guess ahead: `hf_specdec.guide`). Drafting
+  that does not pay is retried after `PROBE` rounds (doubling).
 Exactness does not depend on any of this: every decision is a function of the past rounds and of the draft's own
-tokens before the one decided on, never of the uniforms that verify them. Seeded runs repeat with `costs=` pinned.
-"""
+tokens before the one decided on, never of the uniforms that verify them. Seeded runs repeat with `costs=` pinned."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .config import DRAFT_WIDTH_SLOPE, PREFILL_RATIO, Costs, check_planner, curve_price
+from .config import PREFILL_RATIO, Costs, check_planner
+from .guide import Guesses
 from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
@@ -37,7 +37,6 @@ PRIOR_SLOPE = 0.03  # d per row before anything is timed: memory-bound verificat
 PRIOR_DRAFT, PRIOR_LOOKUP = 0.7, 0.8  # acceptance priors (optimistic, so each source is tried)
 BINS, BIN_PRIOR = 10, 2.0  # confidence calibration: bins, pseudo-observations per bin
 PROBE, MAX_PROBE = 8, 64  # rounds without the draft before it is tried again (doubling after a failed try)
-PRIOR_GUESS = 0.5  # P(the draft draws a lookup's guessed token) before one is seen
 
 
 def _ema(old: float, new: float, weight: float, scale: float = 1.0) -> float:  # old + weight (new - scale old)
@@ -56,7 +55,6 @@ class CostCurve:
         self.slope0: float | None = None  # d0, from the prompt's encoding and one step
         self.prompt: tuple[float, int] = (0.0, 0)  # the target's prompt encoding: seconds, columns
         self.rounds = 0  # rounds observed
-        self.draft_widths: dict[int, float] = {}  # a guided draft forward's new tokens -> running mean seconds
 
     @property
     def measuring(self) -> bool:
@@ -104,20 +102,6 @@ class CostCurve:
         if self.pinned is not None:
             return self.pinned.draft_step
         return PRIOR_DRAFT_STEP if self.draft_ratio is None else self.draft_ratio
-
-    def draft_width_price(self, width: int) -> float:
-        """A draft forward over `width` new tokens, in draft steps: pinned, else its timed mean over a
-        one-token forward's, else the prior slope."""
-        if self.pinned is not None:
-            return self.pinned.draft_width_price(width)
-        one, wide = self.draft_widths.get(1), self.draft_widths.get(width)
-        return max(1.0, wide / one) if one and wide else curve_price(DRAFT_WIDTH_SLOPE, width)
-
-    def observe_draft_forward(self, width: int, seconds: float) -> None:
-        """One guided draft forward over `width` new tokens took `seconds` (host clock: the CPU only)."""
-        if self.pinned is None:
-            old = self.draft_widths.get(width)
-            self.draft_widths[width] = seconds if old is None else _ema(old, min(seconds, OUTLIER * old), EMA)
 
     def prefill(self, tokens: int) -> float:
         """The draft encoding `tokens` prompt tokens, in target steps."""
@@ -261,10 +245,9 @@ class Planner:
         self.max_draft, self.adaptive = max_draft, bool(adaptive)
         self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)
-        self.without_draft = 0  # rounds since the draft model last ran
-        self.probe_wait = PROBE
+        self.without_draft, self.probe_wait = 0, PROBE  # rounds since the draft model last ran; before it is tried again
         self.retrieval_won, self.compared = 0.0, 0.0  # rounds where retrieval beat a warm draft, of those compared
-        self.guess_rate = PRIOR_GUESS  # P(a guided draft draws the guessed token), running
+        self.guesses = Guesses(costs)  # how long a guided draft's guesses pay
 
     @property
     def rows(self) -> int:
@@ -331,23 +314,6 @@ class Planner:
         chain = self.acceptance.draft_reach(k)
         candidates = [retrieved[0] + chain] if merge else [r if sum(r) > sum(chain) else chain for r in retrieved]
         return self.best_nodes(candidates, base=k * self.curve.draft_step, most=most)[1]
-
-    def guess_length(self, most: int) -> int:
-        """How many guessed tokens a guided draft forward feeds ahead (at most `most`): the count with
-        the most expected tokens drafted (1 + m + ... + m^g, m = `guess_rate`) per unit of its price."""
-        best, best_rate, tokens, p = 0, 1.0, 1.0, 1.0
-        for g in range(1, most + 1):
-            p *= self.guess_rate
-            tokens += p
-            rate = tokens / self.curve.draft_width_price(1 + g)
-            if rate > best_rate:
-                best, best_rate = g, rate
-        return best
-
-    def observe_guess(self, hits: Sequence[bool]) -> None:
-        """A guided forward's guessed tokens, in order, as far as the draft's tokens were compared with them."""
-        for hit in hits:
-            self.guess_rate = _ema(self.guess_rate, float(hit), EMA)
 
     def stop_rule(self, most: int) -> Callable[[list[float]], bool]:
         """A fresh `keep_drafting(confidences)` for one round (where reads are free): given per row the

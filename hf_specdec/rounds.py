@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_path, pad_front, rollback
+from .guide import Guide
 from .host import to_device
 from .planner import Planner, RoundPlan
 from .proposals import DraftRequest, Proposal
@@ -204,27 +205,10 @@ def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> tuple[
     elsewhere the planned length, read once."""
     if state.planner.adaptive and not plan.probe and reads_are_free(request.ids.device):
         stop = state.planner.stop_rule(request.max_tokens)
-        guess = _Guide(state, request, plan.draft) if state.lookup is not None and state.batch.size == 1 else None
+        guess = (Guide(state.planner.guesses, state.lookup, request, state.batch.rows[0], plan.draft)
+                 if state.lookup is not None and state.batch.size == 1 else None)
         return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop, guess=guess)), True
     return state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft)), False
-
-
-class _Guide:
-    """A guided draft's guess (`DraftRequest.guess`): what the row's lookup expects after its text and
-    the tokens drafted so far, as many tokens as the planner finds pay (`Planner.guess_length`, up to
-    the planned chain's end); the drafter reports each guided forward back (`observe`)."""
-
-    def __init__(self, state: DecodeState, request: DraftRequest, horizon: int):
-        self.planner, self.lookup = state.planner, state.lookup
-        self.host, self.row, self.horizon = request.host[0], state.batch.rows[0], horizon
-
-    def __call__(self, drafted: list[int]) -> list[int]:
-        most = self.planner.guess_length(self.horizon - len(drafted) - 1)
-        return self.lookup.guess(self.host + drafted, most, self.row) if most > 0 else []
-
-    def observe(self, width: int, seconds: float, hits: list[bool]) -> None:
-        self.planner.curve.observe_draft_forward(width, seconds)
-        self.planner.observe_guess(hits)
 
 
 def _point_masses(chains: list[list[int]], device: torch.device) -> Proposal:

@@ -420,10 +420,7 @@ def with_scored(work: dict, rounds: list) -> dict:
         scored[r.round] = max(scored.get(r.round, 0), r.scored)
     if not scored or len(scored) != len(work.get("target", ())) or min(scored.values()) < 1:
         return work
-    work = {**work, "scored": [scored[i] for i in sorted(scored)]}
-    if all(getattr(r, "parents", None) is None for r in rounds) and len({getattr(r, "row", 0) for r in rounds}) <= 1:
-        work["drafted"] = sum(len(r.draft_tokens) for r in rounds if r.source == "draft")  # one row's chains: known
-    return work
+    return {**work, "scored": [scored[i] for i in sorted(scored)]}
 
 
 def step_time(durations: list[float]) -> float | None:

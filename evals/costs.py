@@ -63,15 +63,12 @@ class CostTable:
         """work: {model: [[width, context], ...]}, every forward of one generate call, and where known
         "scored": the positions each target forward scored (hf_specdec's `RoundRecord.scored`: its lazy
         rule stops at the first rejection when sampling on a CPU). Without it a target forward scores one
-        position from an empty cache and one per new token otherwise; a draft forward scores one, and
-        where "drafted" (the draft's tokens, one row's chains) is known, a draft scores at least one a token."""
+        position from an empty cache and one per new token otherwise; a draft forward scores one."""
         seconds, positions = 0.0, 0
         for model, forwards in work.items():
-            for width, context in forwards if model not in ("scored", "drafted") else ():
+            for width, context in forwards if model != "scored" else ():
                 seconds += self.forward(model, width, context)
                 positions += width if model == "target" and context > 0 and "scored" not in work else 1
-            if model not in ("target", "scored", "drafted") and "drafted" in work:  # a guided forward scores each token it drafts
-                positions += max(0, work["drafted"] - len(forwards))
         if "scored" in work:
             positions += sum(work["scored"]) - len(work["scored"])  # each target forward was counted once above
         return seconds + positions * self.position[mode][engine]
@@ -91,10 +88,7 @@ class CostTable:
         curve = tuple(round((self.forward("target", w, context) + w * position) / step, 4)
                       for w in range(1, self.widths[-1] + 1))
         encoded = min(context, window or context)  # the tokens the draft's prefill encodes
-        draft_step = self.forward(draft, 1, context) + position
-        draft_curve = tuple(round((self.forward(draft, w, context) + position) / draft_step, 4)
-                            for w in range(1, self.widths[-1] + 1))
-        return dict(costs=hf_specdec.Costs(draft_step=draft_step / step, verify=curve, draft_verify=draft_curve,
+        return dict(costs=hf_specdec.Costs(draft_step=(self.forward(draft, 1, context) + position) / step, verify=curve,
                                            draft_prefill=self.forward(draft, encoded, 0) / encoded / step,
                                            position=round(position / step, 4) if mode == "sampling" and PIN_POSITION else 0.0))
 

@@ -10,7 +10,6 @@ from typing import Sequence
 
 # The draft's encoding of one prompt token, over the target's (measured on the real pair: 0.31-0.37).
 PREFILL_RATIO = 0.35
-DRAFT_WIDTH_SLOPE = 0.2  # a draft forward's price per further token, in draft steps, before one is timed (a small model on a CPU)
 
 
 # The longest n-gram a lookup matches (in-row, and the match sizes the planner tells apart). Not a
@@ -54,75 +53,57 @@ class Costs:
     encoding of one prompt token; None: 0.35 of the target's, taken as the verify curve's slope.
     `position`: the part of each width's price that scoring one position costs when sampling (the
     processors; top-p sorts the vocabulary), so positions the lazy rule is not expected to reach are
-    not paid for (`unscored`; one row on a CPU). `draft_verify`: the draft's forward over w tokens (a
-    draft fed a lookup's guess ahead), in draft steps, as `verify` is for the target."""
+    not paid for (`unscored`; one row on a CPU)."""
 
     draft_step: float
     verify: float | tuple[float, ...] = 0.03
     draft_prefill: float | None = None
     position: float = 0.0
-    draft_verify: float | tuple[float, ...] = DRAFT_WIDTH_SLOPE
 
     def __post_init__(self) -> None:
         _check_number("draft_step", self.draft_step)
-        for name in ("verify", "draft_verify"):
-            _check_curve(self, name)
+        if getattr(self.verify, "ndim", None) == 1:  # a numpy array or a tensor of prices: the list it holds
+            object.__setattr__(self, "verify", self.verify.tolist())
+        if isinstance(self.verify, (list, tuple)):
+            values = tuple(self.verify)
+            for value in values:
+                _check_number("verify (each width's price)", value)
+            if not values or not all(v > 0 for v in values):
+                raise ValueError(f"verify needs a price per width, each > 0 (a forward is never free), got {self.verify!r}")
+            if abs(values[0] - 1.0) > 1e-3:  # seconds, or a curve over another unit: every price would be off
+                raise ValueError(f"verify's first entry is a one-token forward's price, 1 by definition (prices are in "
+                                 f"target one-token steps), got {values[0]!r}: divide the curve by it")
+            object.__setattr__(self, "verify", tuple(float(v) for v in values))
+        else:
+            _check_number("verify", self.verify)
         if self.draft_prefill is not None:
             _check_number("draft_prefill", self.draft_prefill)
         _check_number("position", self.position)
         if self.position >= self.verify_price(1):
             raise ValueError(f"position (scoring one position, part of a one-token step's price) must be below that "
                              f"step's price {self.verify_price(1):g}, got {self.position!r}")
-        for name in ("draft_step", "draft_prefill", "position"):
+        for name in ("draft_step", "draft_prefill", "position") + (() if isinstance(self.verify, tuple) else ("verify",)):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, float(getattr(self, name)))  # a numpy float as the float it is
 
     def verify_price(self, width: int, reach: Sequence[float] | None = None) -> float:
         """A target forward over `width` new tokens, in one-token steps; with `reach` (a chain sampled
         lazily: P(its tokens 1..i + 1 accepted) at i), less the positions it is not expected to score."""
-        price = curve_price(self.verify, width)
+        curve = self.verify
+        if not isinstance(curve, tuple):
+            price = 1.0 + curve * (width - 1)
+        elif width <= len(curve):
+            price = curve[width - 1]
+        else:
+            price = curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
         unpaid = self.position * unscored(width, reach) if reach is not None else 0.0
         return max(price - unpaid, 1e-3)  # a large `position` against a flat curve: never free
-
-    def draft_width_price(self, width: int) -> float:
-        """A draft forward over `width` new tokens (a guided draft's, `DraftModelDrafter._guided`), in draft steps."""
-        return curve_price(self.draft_verify, width)
 
     def prefill_per_token(self) -> float:
         """The draft's encoding of one prompt token, in target steps."""
         if self.draft_prefill is not None:
             return self.draft_prefill
         return PREFILL_RATIO * max(0.0, self.verify_price(9) - self.verify_price(1)) / 8
-
-
-def curve_price(curve: float | tuple[float, ...], width: int) -> float:
-    """A forward over `width` new tokens on a price curve: a slope d (1 + d (w - 1)), or each width's price
-    (entry i: w = i + 1; wider forwards extend the last segment)."""
-    if not isinstance(curve, tuple):
-        return 1.0 + curve * (width - 1)
-    if width <= len(curve):
-        return curve[width - 1]
-    return curve[-1] + max(0.0, curve[-1] - curve[-2] if len(curve) > 1 else 0.0) * (width - len(curve))
-
-
-def _check_curve(costs: "Costs", name: str) -> None:
-    """`Costs.verify` or `Costs.draft_verify` checked by name, and stored as a float or a tuple of floats."""
-    value = getattr(costs, name)
-    if getattr(value, "ndim", None) == 1:  # a numpy array or a tensor of prices: the list it holds
-        value = value.tolist()
-    if isinstance(value, (list, tuple)):
-        values = tuple(value)
-        for v in values:
-            _check_number(f"{name} (each width's price)", v)
-        if not values or not all(v > 0 for v in values):
-            raise ValueError(f"{name} needs a price per width, each > 0 (a forward is never free), got {value!r}")
-        if abs(values[0] - 1.0) > 1e-3:  # seconds, or a curve over another unit: every price would be off
-            raise ValueError(f"{name}'s first entry is a one-token forward's price, 1 by definition (prices are in "
-                             f"one-token steps), got {values[0]!r}: divide the curve by it")
-        object.__setattr__(costs, name, tuple(float(v) for v in values))
-    else:
-        _check_number(name, value)
-        object.__setattr__(costs, name, float(value))
 
 
 @dataclass(frozen=True)

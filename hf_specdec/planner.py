@@ -15,10 +15,11 @@ Units: a target forward over one new token costs 1. Three parts (docs/design.md#
   (`best_nodes`: one row widens its forward by a column a node, a batch by its longest chain). The
   draft runs when its planned chain (`draft_length`; a cold draft also pays its prefill, spread over
   what it is expected to draft: `_cold`) beats retrieval; its tokens are kept by `stop_rule`, token
-  j + 1 on what tokens 1..j said (a lone row's fed its lookup's guess ahead: `hf_specdec.guide`). Drafting
-  that does not pay is retried after `PROBE` rounds (doubling).
+  j + 1 on what tokens 1..j said. Drafting that does not pay is retried after `PROBE` rounds (doubling).
+
 Exactness does not depend on any of this: every decision is a function of the past rounds and of the draft's own
-tokens before the one decided on, never of the uniforms that verify them. Seeded runs repeat with `costs=` pinned."""
+tokens before the one decided on, never of the uniforms that verify them. Seeded runs repeat with `costs=` pinned.
+"""
 
 from __future__ import annotations
 
@@ -26,7 +27,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from .config import PREFILL_RATIO, Costs, check_planner
-from .guide import Guesses
 from .stats import NGRAM, CostEstimates
 
 EMA = 0.2  # weight of the newest round in running estimates
@@ -245,9 +245,9 @@ class Planner:
         self.max_draft, self.adaptive = max_draft, bool(adaptive)
         self.curve = CostCurve(costs, rows, lazy)
         self.acceptance = Acceptance(max_draft)
-        self.without_draft, self.probe_wait = 0, PROBE  # rounds since the draft model last ran; before it is tried again
+        self.without_draft = 0  # rounds since the draft model last ran
+        self.probe_wait = PROBE
         self.retrieval_won, self.compared = 0.0, 0.0  # rounds where retrieval beat a warm draft, of those compared
-        self.guesses = Guesses(costs)  # how long a guided draft's guesses pay
 
     @property
     def rows(self) -> int:

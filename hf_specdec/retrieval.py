@@ -47,7 +47,6 @@ import torch
 
 from .config import as_int
 from .planner import MatchAcceptance
-from .proposals.ngram import ngram_match
 from .proposals.tree import Trie, match_bucket
 from .stats import CACHE, NGRAM
 
@@ -619,16 +618,6 @@ class Retrieval:
         if found[0]:
             self.passed_over[0] = (found[0][0], found[1], CACHE)
         return continuations, size, NGRAM
-
-    def guess(self, host: list[int], max_tokens: int, row: int = 0) -> list[int]:
-        """What `host` (a row's text and its drafted tokens) continues with: the continuation a round's
-        lookup would propose (`match_rows`), with no statistics touched."""
-        if max_tokens < 1:
-            return []
-        tokens, size = ngram_match(host, self.ngram.max_ngram, self.ngram.min_ngram, min(self.ngram.max_tokens, max_tokens),
-                                   self.ngram.match_cap)
-        found = self._from_cache(host, min(self.ngram.max_tokens, max_tokens), 1, row)
-        return found[0][0] if found[0] and self._better(found[1], size, found[2][0][0]) else tokens
 
     def _from_cache(self, host: list[int], max_tokens: int, branches: int,
                     row: int) -> tuple[list[list[int]], int, list[list[float]]]:

@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from .cache import add_row, clear as clear_caches, extend, extend_tree, keep_path, pad_front, rollback
-from .guide import Guide
 from .host import to_device
 from .planner import Planner, RoundPlan
 from .proposals import DraftRequest, Proposal
@@ -205,9 +204,7 @@ def _draft(state: DecodeState, request: DraftRequest, plan: RoundPlan) -> tuple[
     elsewhere the planned length, read once."""
     if state.planner.adaptive and not plan.probe and reads_are_free(request.ids.device):
         stop = state.planner.stop_rule(request.max_tokens)
-        guess = (Guide(state.planner.guesses, state.lookup, request, state.batch.rows[0], plan.draft)
-                 if state.lookup is not None and state.batch.size == 1 else None)
-        return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop, guess=guess)), True
+        return state.drafter.propose(dataclasses.replace(request, keep_drafting=stop)), True
     return state.drafter.propose(dataclasses.replace(request, max_tokens=plan.draft)), False
 
 

@@ -16,7 +16,6 @@ from conftest import perturbed, tiny_model
 from hf_specdec import Costs
 from hf_specdec.cache import rollback
 from hf_specdec.config import lazy_scored, unscored
-from hf_specdec.guide import Guesses
 from hf_specdec.planner import MAX_PROBE, PROBE, TIMED, Acceptance, CostCurve, Planner
 from hf_specdec.proposals import DraftModelDrafter, DraftRequest, NgramCandidateGenerator, ngram_lookup, ngram_match
 from hf_specdec.quantize import quantize_weights
@@ -419,42 +418,6 @@ def test_ngram_rounds_leave_the_draft_behind_and_it_catches_up():
     assert NGRAM in sources and DRAFT in sources
     assert torch.equal(out.sequences, plain(target, max_new_tokens=60))
     assert out.cache.get_seq_length() <= out.sequences.shape[1]
-
-
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
-def test_a_guided_draft_stays_greedy_exact(arch, monkeypatch):
-    """One row drafting where its lookups find matches: the draft is fed their guesses ahead
-    (`DraftModelDrafter._guided`); the output is plain greedy's."""
-    target = tiny_model(arch, seed=5)
-    draft = perturbed(target, noise=0.05)
-    real, guesses = hf_specdec.retrieval.Retrieval.guess, []
-
-    def guess(self, host, max_tokens, row=0):
-        guesses.append(real(self, host, max_tokens, row))
-        return guesses[-1]
-
-    monkeypatch.setattr(hf_specdec.retrieval.Retrieval, "guess", guess)
-    out = spec(target, draft, max_new_tokens=60, tree=False, costs=Costs(draft_step=0.01, verify=0.02, draft_verify=0.0))
-    assert sum(map(bool, guesses)) > 5  # guesses were fed
-    assert torch.equal(out.sequences, plain(target, max_new_tokens=60))
-
-
-def test_the_guess_length_maximises_expected_drafted_tokens_per_price():
-    flat = Guesses(Costs(draft_step=0.1, verify=0.02, draft_verify=0.0))
-    flat.rate = 0.8
-    assert flat.length(6) == 6  # a free width: every guessed token that may be drawn
-    steep = Guesses(Costs(draft_step=0.1, verify=0.02, draft_verify=(1.0, 1.1, 1.2, 2.2, 2.3)))
-    steep.rate = 0.8
-    rates = [(1 + sum(0.8 ** i for i in range(1, g + 1))) / steep.width_price(1 + g) for g in range(7)]
-    assert steep.length(6) == rates.index(max(rates)) == 2  # this CPU's draft: the fifth column costs a step
-    steep.observe(1, 0.0, [False] * 20)
-    assert steep.rate < 0.1 and steep.length(6) == 0  # guesses the draft never draws: none fed
-    assert flat.length(0) == flat.length(-1) == 0
-    online = Guesses(None)  # unpinned: each width's price its timed mean over a one-token forward's
-    online.observe(1, 0.01, [])
-    online.observe(3, 0.03, [True])
-    assert online.width_price(3) == pytest.approx(3.0) and online.width_price(5) == pytest.approx(1.8)  # the prior
-    assert online.rate == pytest.approx(0.6)
 
 
 @pytest.mark.parametrize("draft_step", [0.05, 0.6])  # long rounds; plain steps and probes

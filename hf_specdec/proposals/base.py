@@ -119,9 +119,6 @@ class DraftRequest:
     # probability of it, whether to draft another (the planner's early stop). None: draft max_tokens.
     keep_drafting: Callable[[list[float]], bool] | None = None
     generator: torch.Generator | None = None  # the call's, for a sampling source built without one of its own
-    # One row, with keep_drafting: given the tokens drafted so far this round, the tokens a lookup expects
-    # next; a draft model feeds them ahead in the same forward (`DraftModelDrafter._guided`). None: no guess.
-    guess: Callable[[list[int]], list[int]] | None = None
 
 
 class Drafter(ABC):

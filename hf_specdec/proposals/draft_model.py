@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import numbers
 import threading
-import time
 import weakref
 
 import torch
@@ -33,11 +32,6 @@ def context_length(config) -> int | None:
 def _confidences(values: list[float]) -> list[float]:
     """Probabilities read back from the draft, NaN (scores that were all NaN: a user's processor) as 0."""
     return [v if v == v else 0.0 for v in values]
-
-
-def _guessed(token: int, guess: int) -> bool:
-    """Whether a drafted token is the one its guess fed ahead (the logits after the guess then follow it)."""
-    return token == guess
 
 
 _CLAIMS = threading.Lock()  # DraftModelDrafter.start: one check-and-claim at a time
@@ -157,22 +151,20 @@ class DraftModelDrafter(Drafter):
             return 0
         return width if self.window is None else min(width, self.window)
 
-    def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None, positions: int = 1) -> torch.Tensor:
-        """The draft's raw logits after `ids` ([rows, vocab]; with `positions` > 1, [rows, positions,
-        vocab] after each of the last `positions` tokens), feeding what its cache lacks (the prompt, or
-        its last `window` tokens, on the first call), over the target's ids."""
+    def _logits(self, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:  # [rows, vocab]
+        """The draft's raw logits after `ids`, feeding what its cache lacks (the prompt, or its last
+        `window` tokens, on the first call), as a [rows, vocab] row over the target's ids."""
         ids = self._feed(ids)
         if self.window is not None and not self.cache.get_seq_length() and ids.shape[1] > self.window:
             self.hidden = ids.shape[1] - self.window
             window_mask = None if mask is None else mask[:, self.hidden :]
-            logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=positions)
+            logits = extend(self.model, self.cache, ids[:, self.hidden :], window_mask, num_logits=1)
             hide_prefix(self.cache, self.hidden)
-            return self._fit(logits if positions > 1 else logits[:, -1])
+            return self._fit(logits[:, -1])
         if self.hidden:
             mask = torch.ones_like(ids) if mask is None else mask.clone()
             mask[:, : self.hidden] = 0
-        logits = extend(self.model, self.cache, ids, mask, num_logits=positions)
-        return self._fit(logits if positions > 1 else logits[:, -1])
+        return self._fit(extend(self.model, self.cache, ids, mask, num_logits=1)[:, -1])
 
     def _feed(self, ids: torch.Tensor) -> torch.Tensor:
         """`ids` as the draft can embed them: a target id past the draft's rows becomes its last row."""
@@ -191,7 +183,7 @@ class DraftModelDrafter(Drafter):
         extra = self.vocab - logits.shape[-1]
         if extra > 0:
             return torch.nn.functional.pad(logits, (0, extra), value=float("-inf"))
-        return logits[..., : self.vocab] if extra else logits
+        return logits[:, : self.vocab] if extra else logits
 
     def propose(self, request: DraftRequest) -> Proposal:
         """`request.max_tokens` tokens per row, one draft forward each, with no read of the device
@@ -200,10 +192,8 @@ class DraftModelDrafter(Drafter):
         ids, mask, width = request.ids, request.mask, request.ids.shape[1]
         if self.cache is None or not request.max_tokens:  # retired (see the class doc), or asked for nothing
             return Proposal.nothing(ids.shape[0], ids.device)
-        self._drawing = self.generator if self.generator is not None else request.generator  # its own, else the call's
-        if request.guess is not None and request.keep_drafting is not None and ids.shape[0] == 1:
-            return self._guided(request)
         probs, reports = [], []
+        self._drawing = self.generator if self.generator is not None else request.generator  # its own, else the call's
         for j in range(request.max_tokens):
             # Feed what the draft cache lacks: the prompt on the first round, then the last emitted
             # token(s) (several after an all-accepted, n-gram or plain round), then one token.
@@ -216,60 +206,17 @@ class DraftModelDrafter(Drafter):
             if request.keep_drafting is not None and j + 1 < request.max_tokens and report:
                 if not request.keep_drafting(_confidences(report[0].tolist())):  # a read per token: the CPU only
                     break
-        return self._proposal(ids[:, width:], probs, reports, request.confidences, forwards=len(probs))
-
-    def _guided(self, request: DraftRequest) -> Proposal:
-        """One row, drafted token by token as `propose` drafts it, each forward also feeding the
-        tokens `request.guess` expects next: while the draft's token equals the guessed one, the next
-        token comes from the logits that forward already computed. Every token is still drawn from q
-        given the row and the draft's tokens before it (the guess only decides which q are computed
-        early), so the chain and its q are those of plain drafting; the guessed columns past the first
-        token that differs leave the cache."""
-        ids, mask, width, most = request.ids, request.mask, request.ids.shape[1], request.max_tokens
-        probs, reports, ahead, guessed, hits, forwards = [], [], [], [], [], 0
-        report_back = getattr(request.guess, "observe", None)
-        while len(probs) < most:
-            if not ahead:  # a forward over what the cache lacks and the guess (at most the tokens still to draft, less one)
-                if report_back is not None and forwards:
-                    report_back(columns, took, hits)
-                guessed = list(request.guess([int(t) for t in ids[0, width:].tolist()]))[: most - len(probs) - 1]
-                fed = torch.cat([ids, ids.new_tensor([guessed])], dim=1) if guessed else ids
-                fed_mask = None if mask is None else torch.nn.functional.pad(mask, (0, len(guessed)), value=1)
-                columns, start, hits = fed.shape[1] - self.cache.get_seq_length(), time.perf_counter(), []
-                logits = self._logits(fed, fed_mask, len(guessed) + 1)
-                took = time.perf_counter() - start  # the forward alone (the CPU: no queue to wait on)
-                ahead, forwards = list((logits if guessed else logits[:, None]).unbind(1)), forwards + 1
-            token, q, report = self._next(request.prefixes, ids[:, width:], ahead.pop(0), request.confidences)
-            probs.append(q)
-            reports.append(report)
-            ids = torch.cat([ids, token[:, None]], dim=1)
-            mask = None if mask is None else torch.nn.functional.pad(mask, (0, 1), value=1)
-            if guessed and _guessed(int(token), guessed[0]):  # a read per token: the CPU only (keep_drafting is set)
-                guessed.pop(0)
-                hits.append(True)
-            else:
-                hits += [False] if guessed else []
-                ahead, guessed = [], []
-            rollback([self.cache], ids.shape[1] - 1 + len(ahead))  # the guessed columns kept: those matched, and ahead
-            if len(probs) < most and report and not request.keep_drafting(_confidences(report[0].tolist())):
-                break
-        if report_back is not None and forwards:
-            report_back(columns, took, hits)
-        rollback([self.cache], ids.shape[1] - 1)  # as after plain drafting: every token but the last
-        return self._proposal(ids[:, width:], probs, reports, request.confidences, forwards)
-
-    def _proposal(self, tokens: torch.Tensor, probs: list, reports: list, report: bool, forwards: int) -> Proposal:
-        """The drafted `tokens` [rows, k] as a proposal, read back in one copy."""
+        tokens = ids[:, width:]  # [rows, k]
         parts = [tokens.double(), *(torch.stack(part, dim=1) for part in zip(*reports))]  # each [rows, k]
         host = torch.stack(parts).tolist()  # the one read: [parts, rows, k]
         confidences = runners_up = None
-        if report:
+        if request.confidences:
             confidences = [_confidences(row) for row in host[1]]
             if not self.do_sample:
                 runners_up = [list(zip((int(t) for t in tr), _confidences(pr))) for tr, pr in zip(host[2], host[3])]
         return Proposal(
             tokens=tokens, draft_probs=torch.stack(probs, dim=1) if self.do_sample else None,  # [rows, k, vocab]
-            source=self.source, host=[[int(t) for t in row] for row in host[0]], forwards=forwards,
+            source=self.source, host=[[int(t) for t in row] for row in host[0]], forwards=tokens.shape[1],
             confidences=confidences, runners_up=runners_up,
         )
 

@@ -90,7 +90,7 @@ class CostTable:
         encoded = min(context, window or context)  # the tokens the draft's prefill encodes
         return dict(costs=hf_specdec.Costs(draft_step=(self.forward(draft, 1, context) + position) / step, verify=curve,
                                            draft_prefill=self.forward(draft, encoded, 0) / encoded / step,
-                                           position=round(position / step, 4) if mode == "sampling" and PIN_POSITION else 0.0))
+                                           position=round(position / step, 4) if mode not in (None, "greedy") and PIN_POSITION else 0.0))
 
     def alias(self, name: str, like: str) -> None:
         """Price model `name` as `like` (a draft of the same architecture and precision)."""
@@ -194,7 +194,7 @@ def _prefills(model, vocab: int, lengths, reps: int, gen: torch.Generator) -> li
     return [statistics.median(times[n]) for n in lengths]
 
 
-def _position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
+def position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
     """Seconds to process one position's logits and pick its token, per engine (callables taking
     [1, vocab] logits and returning a token)."""
     gen = torch.Generator().manual_seed(0)
@@ -266,7 +266,7 @@ def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[
         prefill[name] = _prefills(model, vocab, prefills, reps, gen)
     table = CostTable(widths=list(widths), contexts=list(contexts), forwards=forwards, prefills=list(prefills),
                       prefill=prefill)
-    table.position = {mode: _position_seconds(position_pickers(target.generation_config, kwargs, target.device), vocab,
+    table.position = {mode: position_seconds(position_pickers(target.generation_config, kwargs, target.device), vocab,
                                               target.device)
                       for mode, kwargs in modes.items()}
     return table

@@ -23,8 +23,14 @@ sampling is not run: its work for a call's number of new tokens is known (a pref
 then one one-token target forward per further token at the growing context), priced with engine
 "transformers". Modelled speedup = (tokens / method's modelled s) / (tokens / plain's modelled s).
 Further tables (`--cost-table` again, or `--reprice`) reprice the same work; hf_specdec's choices were
-made under the first. Every position is priced at the table's "sampling" row (measured at T 0.7,
-top-p 0.95), also for top-p 1.0.
+made under the first. A position is priced at the table's row for the workload where it has one
+(`--measure-positions`: timed with the workload's own processors, top-k 50 included), else at its
+"sampling" row (T 0.7, top-p 0.95, no top-k: transformers' top-p sorts the whole vocabulary).
+
+Both workloads sample with top-k 50 as well: transformers' generate() adds it to do_sample=True unless
+top_k is given, and every run of this script has drawn its samples so. It matters to the prices:
+after top-k, hf_specdec's top-p sorts 50 entries (`SparseTopPLogitsWarper`), transformers' still
+sorts the whole vocabulary (`evals/results/workload-positions/`).
 
 pass@k (pass_at_k only): the problem's prompt, then the completion cut at the first top-level
 "\\ndef ", "\\nclass ", "\\nif __name__" or "\\nprint(" (the HumanEval harness's stop sequences; with
@@ -81,6 +87,11 @@ class Workload:
     category: str  # common.CATEGORIES
     temperature: float
     top_p: float
+    top_k: int | None = 50  # transformers' default for generate(do_sample=True), which every run has used
+
+    def sampling(self) -> dict:
+        """generate()'s sampling arguments for this workload, every processor named (none left to defaults)."""
+        return dict(do_sample=True, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k)
 
 
 WORKLOADS = {
@@ -92,10 +103,17 @@ WORKLOADS = {
 # ---------------------------------------------------------------- pricing
 
 
+def position_mode(table: CostTable, workload: str) -> str:
+    """The table's row that prices one of `workload`'s positions: its own, measured with its processors
+    (`--measure-positions`), else the "sampling" row (T 0.7, top-p 0.95, no top-k: a full-vocabulary sort)."""
+    return workload if workload in table.position else MODE
+
+
 def price(record: dict, table: CostTable) -> tuple[float, float]:
     """(hf_specdec's modelled seconds, plain's modelled seconds for the same number of new tokens)."""
-    ours = table.modelled_seconds(record["work"], MODE, "hf_specdec")
-    plain = table.modelled_seconds(plain_work(record["prompt_tokens"], record["new_tokens"]), MODE, "transformers")
+    mode = position_mode(table, record["workload"])
+    ours = table.modelled_seconds(record["work"], mode, "hf_specdec")
+    plain = table.modelled_seconds(plain_work(record["prompt_tokens"], record["new_tokens"]), mode, "transformers")
     return ours, plain
 
 
@@ -199,14 +217,13 @@ def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, 
     """One hf_specdec call with costs pinned from `table` as evals/replay.py pins them; its record."""
     ids = torch.tensor([prompt["input_ids"]])
     window = hf_specdec.SpeculativeConfig().window_for(True)
-    pins = table.pinned_costs(ids.shape[1], "hf", window, MODE)
+    pins = table.pinned_costs(ids.shape[1], "hf", window, position_mode(table, workload.name))
     extra = {} if cache is None else dict(retrieval_cache=cache)
     rounds = []
     for timer in timers.values():
         timer.take()
     torch.manual_seed(seed)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=True,
-                          temperature=workload.temperature, top_p=workload.top_p,
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, **workload.sampling(),
                           custom_generate=hf_specdec.speculative_generate, assistant=draft, return_dict_in_generate=True,
                           acceptance_sink=rounds.append, **pins, **extra)
     work = with_scored({name: w for name, (_, w) in ((n, t.take_with_work()) for n, t in timers.items()) if w}, rounds)
@@ -339,7 +356,8 @@ def report(records: list[dict], runs: list[dict], table_paths: dict[str, str], c
         "Plain sampling was not run: its modelled time is the known work of plain decoding (a prefill, then one "
         "one-token target forward per further token) for the same number of new tokens as each call, priced with "
         "engine \"transformers\". Speedup = (tokens / method's modelled s) / (tokens / plain's modelled s); median "
-        "over prompts pools each prompt's samples. Every position is priced at the table's \"sampling\" row.",
+        "over prompts pools each prompt's samples. Each position is priced at the table's row for the workload where "
+        "it has one (timed with the workload's processors), else at its \"sampling\" row.",
         "Sampled outputs differ between the methods (each call draws its own tokens); pass@k shows both produce "
         "answers of the same quality. \"rounds verifying the cache\": rounds whose retrieved tokens came from the "
         "RetrievalCache (RoundRecord.retrieval == \"cache\"). pass_at_k continues each HumanEval problem's prompt "
@@ -380,7 +398,8 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
         for label, table in tables.items():
             cell = totals.setdefault((r["workload"], r["method"]), {}).setdefault(label, [0.0, 0.0, 0.0])
             ours, plain = price(r, table)
-            cell[0], cell[1], cell[2] = cell[0] + ours, cell[1] + table.modelled_seconds(work, MODE, "transformers"), cell[2] + plain
+            lookup = table.modelled_seconds(work, position_mode(table, r["workload"]), "transformers")
+            cell[0], cell[1], cell[2] = cell[0] + ours, cell[1] + lookup, cell[2] + plain
     labels = list(tables)
     lines = [f"Speedup over plain sampling on the outputs of `{folder}` ({', '.join(labels)}): the method as run, and "
              "transformers' prompt lookup on the same outputs", "",
@@ -389,6 +408,19 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
     for (workload, method), cells in totals.items():
         lines.append(f"| {workload} | {method} | " + " | ".join(f"{c[2] / c[0]:.2f} | {c[2] / c[1]:.2f}" for c in cells.values()) + " |")
     return "\n".join(lines) + "\n"
+
+
+def measure_positions(table: CostTable, workloads: list[str], target, path: Path, repeats: int = 5) -> None:
+    """`table` with a position row per workload (`position_mode`), timed with the processors its calls
+    run (the median of `repeats` timings of 30 positions each), written to `path`."""
+    for name in workloads:
+        pickers = costs.position_pickers(target.generation_config, WORKLOADS[name].sampling(), target.device)
+        timings = [costs.position_seconds(pickers, target.config.get_text_config().vocab_size, target.device, reps=30)
+                   for _ in range(repeats)]
+        table.position[name] = {engine: statistics.median(t[engine] for t in timings) for engine in pickers}
+        print(f"{name}: " + ", ".join(f"{e} {s * 1000:.2f} ms" for e, s in table.position[name].items()), flush=True)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    table.save(path)
 
 
 # ---------------------------------------------------------------- the script
@@ -461,6 +493,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--eager-prices", action="store_true",
                         help="pin costs without Costs.position (the planner prices every sampled position, as before the "
                              "lazy pricing); the work is modelled the same way")
+    parser.add_argument("--measure-positions", action="store_true",
+                        help="no generation: time one position of each workload's processors (transformers' and "
+                             "hf_specdec's) on this machine; write the first cost table with those rows added to "
+                             "OUT/cost_table.json")
     parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs (no pass@k)")
     parser.add_argument("--humaneval-chat", action="store_true",
                         help="pass_at_k on the chat-formatted HumanEval prompts of the eval (the answer restates the "
@@ -488,6 +524,9 @@ def main(argv=None) -> list[dict]:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         (Path(args.out) / "lookup.md").write_text(text)
         print(text)
+        return []
+    if args.measure_positions:
+        measure_positions(tables[next(iter(tables))], args.workloads, target, Path(args.out) / "cost_table.json")
         return []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

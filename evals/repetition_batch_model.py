@@ -69,7 +69,7 @@ class TokensFed:
 def call(target, draft, recorders, prompt: dict, workload, method: str, n: int, max_new_tokens: int, seed: int,
          pin: CostTable | None) -> dict:
     ids = torch.tensor([prompt["input_ids"]] * n)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=workload.temperature, top_p=workload.top_p)
+    kwargs = dict(max_new_tokens=max_new_tokens, **workload.sampling())
     rounds = []
     if method == "hf_specdec":
         kwargs.update(custom_generate=hf_specdec.speculative_generate, assistant=draft, acceptance_sink=rounds.append)

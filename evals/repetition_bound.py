@@ -40,7 +40,7 @@ import sys
 from pathlib import Path
 
 import torch
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopPLogitsWarper
+from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -62,8 +62,8 @@ def sample(target, prompt: dict, workload, n: int, max_new_tokens: int, seed: in
     """n plain samples of the target (one batch of n rows), each cut after its first end token."""
     ids = torch.tensor([prompt["input_ids"]])
     torch.manual_seed(seed)
-    out = target.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=workload.temperature,
-                          top_p=workload.top_p, max_new_tokens=max_new_tokens, num_return_sequences=n)
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), **workload.sampling(), max_new_tokens=max_new_tokens,
+                          num_return_sequences=n)
     samples = []
     for row in out[:, ids.shape[1]:].tolist():
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
@@ -74,13 +74,14 @@ def sample(target, prompt: dict, workload, n: int, max_new_tokens: int, seed: in
 @torch.no_grad()
 def coverage(target, draft, prompt_ids: list[int], tokens: list[int], workload) -> list[float]:
     """a_t = min(1, q(x_t) / p(x_t)) at each sampled token, p and q warped alike."""
-    warp = LogitsProcessorList([TemperatureLogitsWarper(workload.temperature)]
+    warp = LogitsProcessorList([TemperatureLogitsWarper(workload.temperature)]  # as generate() orders them
+                               + ([TopKLogitsWarper(workload.top_k)] if workload.top_k else [])
                                + ([TopPLogitsWarper(workload.top_p)] if workload.top_p < 1.0 else []))
     ids = torch.tensor([prompt_ids + tokens])
     start = len(prompt_ids) - 1
     probs = []
     for model in (target, draft):
-        logits = model(ids).logits[0, start:-1].float()  # [n, vocab]: temperature and top-p read no ids
+        logits = model(ids).logits[0, start:-1].float()  # [n, vocab]: temperature, top-k and top-p read no ids
         logits = warp(torch.zeros(len(tokens), 1, dtype=torch.long), logits)
         probs.append(torch.softmax(logits, dim=-1)[torch.arange(len(tokens)), torch.tensor(tokens)])
     p, q = probs

@@ -68,7 +68,7 @@ def batched_call(target, draft, prompt: dict, workload, method: str, n: int, max
                  cache) -> tuple[list[list[int]], float]:
     """One call of `method` with the prompt as n rows: (each row's tokens, wall seconds)."""
     ids = torch.tensor([prompt["input_ids"]] * n)
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=True, temperature=workload.temperature, top_p=workload.top_p)
+    kwargs = dict(max_new_tokens=max_new_tokens, **workload.sampling())
     if method != "plain":
         kwargs.update(custom_generate=hf_specdec.speculative_generate, assistant=draft)
         if cache is not None:
@@ -87,8 +87,7 @@ def continuous_call(target, draft, prompts: list[dict], workload, n: int, max_ne
     torch.manual_seed(seed)
     start = time.perf_counter()
     results = hf_specdec.generate_continuous(target, stream, assistant=draft, max_batch_size=n,
-                                             max_new_tokens=max_new_tokens, do_sample=True,
-                                             temperature=workload.temperature, top_p=workload.top_p)
+                                             max_new_tokens=max_new_tokens, **workload.sampling())
     seconds = time.perf_counter() - start
     eos = eos_ids(target)
     owners = [p["id"] for p in prompts for _ in range(n)]

@@ -18,6 +18,12 @@ nothing beside it. Methods, per prompt, interleaved (the order rotates every rep
   `hf_specdec.generate_continuous(max_batch_size=n)` (which shares one cache across the stream), timed
   once a repetition against the sum of that repetition's plain calls.
 
+`--sequential` times the other shape of issue 39's pass_at_k target: each sample its own one-row call
+(plain; hf_specdec; hf_specdec with one RetrievalCache shared by every call of the workload, in order),
+the three interleaved call by call, their order rotating; speedups are pooled and, per sample, a
+geometric mean of paired ratios with a 95% interval. The sampling arguments are the workload's
+(`repetition.Workload.sampling`: top-k 50 named, as generate() adds it).
+
 Each method first runs once untimed (8 new tokens), then each call is seeded with
 torch.manual_seed(seed + repetition). Tokens: each row's new tokens up to
 and including its first EOS (plain pads the rest). Rate = tokens / wall seconds; speedup = a method's
@@ -32,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
@@ -48,6 +55,7 @@ from common import add_options, apply_threads, load_pair  # noqa: E402
 from repetition import WORKLOADS, pass_at_k, passes, program, workload_prompts  # noqa: E402
 
 BATCHED = ("plain", "hf_specdec", "hf_specdec+cache")
+SEQUENTIAL = BATCHED  # --sequential: the same methods, one row a call
 
 
 def row_tokens(rows: torch.Tensor, eos: set[int]) -> list[list[int]]:
@@ -92,6 +100,51 @@ def continuous_call(target, draft, prompts: list[dict], workload, n: int, max_ne
     eos = eos_ids(target)
     owners = [p["id"] for p in prompts for _ in range(n)]
     return [(owners[r.index], row_tokens(r.tokens[None], eos)[0]) for r in results], seconds
+
+
+def run_sequential(target, draft, tokenizer, prompts: dict[str, list[dict]], args, sink) -> list[dict]:
+    """`--sequential`: each prompt's n samples as n one-row calls (sample i seeded with seed + i), the
+    methods interleaved call by call (their order rotating each sample); hf_specdec+cache shares one
+    RetrievalCache across every call of the workload, in order."""
+    records = []
+    for name, workload_prompts_ in prompts.items():
+        workload, shared = WORKLOADS[name], hf_specdec.RetrievalCache()
+        problems = {p["id"]: p for p in workload_prompts_ if "problem" in p}
+        for method in SEQUENTIAL:  # untimed: a process's first calls are slower
+            batched_call(target, draft, workload_prompts_[0], workload, method, 1, min(8, args.max_new_tokens),
+                         args.seed, None)
+        turn = 0
+        for prompt in workload_prompts_:
+            for sample in range(args.samples):
+                order = SEQUENTIAL[turn % len(SEQUENTIAL):] + SEQUENTIAL[: turn % len(SEQUENTIAL)]
+                turn += 1
+                for method in order:
+                    cache = shared if method == "hf_specdec+cache" else None
+                    toks, seconds = batched_call(target, draft, prompt, workload, method, 1, args.max_new_tokens,
+                                                 args.seed + sample, cache)
+                    rec = record_of(workload, method, prompt["id"], 0, toks, seconds, tokenizer, problems,
+                                    not args.no_execute)
+                    rec["sample"] = sample
+                    records.append(rec)
+                    sink(rec)
+                    print(f"{name} {method} {prompt['id']} sample {sample}: {rec['new_tokens']} tokens in {seconds:.1f} s",
+                          file=sys.stderr, flush=True)
+        print(f"{name}: the shared cache holds {len(shared)} tokens, {shared.memory_bytes() / 1e6:.2f} MB",
+              file=sys.stderr, flush=True)
+    return records
+
+
+def paired(records: list[dict], method: str) -> str:
+    """`--sequential`: the geometric mean over samples of (method's tokens / s) / (plain's) on the same
+    prompt and seed, with a 95% interval (normal, on the logs)."""
+    rate = {(r["id"], r["sample"]): r["new_tokens"] / r["seconds"] for r in records if r["method"] == "plain"}
+    logs = [math.log(r["new_tokens"] / r["seconds"] / rate[r["id"], r["sample"]]) for r in records
+            if r["method"] == method and (r["id"], r["sample"]) in rate]
+    if not logs:
+        return "-"
+    mean = statistics.mean(logs)
+    half = 1.96 * (statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else 0.0)
+    return f"{math.exp(mean):.2f}x [{math.exp(mean - half):.2f}, {math.exp(mean + half):.2f}]"
 
 
 def record_of(workload, method: str, prompt_id, rep: int, tokens: list[list[int]], seconds: float, tokenizer,
@@ -148,8 +201,10 @@ def run(target, draft, tokenizer, prompts: dict[str, list[dict]], args, sink) ->
 def summary(records: list[dict]) -> tuple[str, list[dict]]:
     """Per workload and method: pooled tokens per second, speedup over plain (pooled; min-max over reps), pass@k."""
     rows, lines = [], []
-    head = ["workload", "method", "calls", "new tokens", "tokens / s", "speedup over plain batched (min-max over reps)",
-            "pass@1", "pass@n"]
+    sequential = all("sample" in r for r in records)
+    head = ["workload", "method", "calls", "new tokens", "tokens / s",
+            "speedup over plain, pooled" + ("; per sample, geometric mean [95%]" if sequential else
+                                            " batched (min-max over reps)"), "pass@1", "pass@n"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in dict.fromkeys(r["workload"] for r in records):
         mine = [r for r in records if r["workload"] == name]
@@ -171,6 +226,7 @@ def summary(records: list[dict]) -> tuple[str, list[dict]]:
                 row["pass@n"] = statistics.mean(pass_at_k(len(v), sum(v), len(v)) for v in by_prompt.values())
             rows.append(row)
             cells = [name, method, str(row["calls"]), str(row["new_tokens"]), f"{row['rate']:.2f}",
+                     f"{row['speedup']:.2f}x; {paired(mine, method)}" if sequential else
                      f"{row['speedup']:.2f}x ({row['low']:.2f}-{row['high']:.2f})",
                      *(f"{row[k]:.3f}" if k in row else "-" for k in ("pass@1", "pass@n"))]
             lines.append("| " + " | ".join(cells) + " |")
@@ -186,9 +242,12 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--samples", type=int, default=8, help="rows a prompt (n)")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--limit", type=int, default=1, help="prompts a workload")
-    parser.add_argument("--reps", type=int, default=2, help="repetitions, methods interleaved")
+    parser.add_argument("--reps", type=int, default=2, help="repetitions, methods interleaved (batched calls only)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--continuous", action="store_true", help="also the whole stream through generate_continuous")
+    parser.add_argument("--sequential", action="store_true",
+                        help="each sample as its own one-row call instead of n rows (plain, hf_specdec, and hf_specdec "
+                             "with one RetrievalCache shared by every call), interleaved call by call")
     parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs")
     args = parser.parse_args(argv)
     if min(args.samples, args.max_new_tokens, args.limit, args.reps) < 1:
@@ -199,8 +258,8 @@ def main(argv=None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with open(out / "records.jsonl", "w") as sink:
-        records = run(target, draft, tokenizer, prompts, args,
-                      lambda r: (sink.write(json.dumps(r) + "\n"), sink.flush()))
+        write = lambda r: (sink.write(json.dumps(r) + "\n"), sink.flush())  # noqa: E731
+        records = (run_sequential if args.sequential else run)(target, draft, tokenizer, prompts, args, write)
     text, rows = summary(records)
     command = "python evals/repetition_wall.py " + " ".join(argv if argv is not None else sys.argv[1:])
     (out / "results.md").write_text(f"Command: `{command}`\n\n" + text)

@@ -130,3 +130,50 @@ def test_the_wall_clock_ways_count_each_rows_tokens_to_its_eos_and_rate_against_
     plain = next(r for r in rows if r["method"] == "plain")
     assert plain["speedup"] == 1.0 and all(r["speedup"] > 0 and r["low"] <= r["high"] for r in rows)
     assert "| self_consistency | continuous |" in text
+
+
+def test_a_workloads_own_position_row_prices_its_positions_and_is_pinned():
+    """A table with a row for the workload (`--measure-positions`) prices that workload's positions with
+    it, plain's and hf_specdec's, and pins it as Costs.position; other workloads keep the "sampling" row."""
+    from repetition import WORKLOADS, position_mode
+
+    table = hand_table()
+    record = dict(workload="pass_at_k", prompt_tokens=100, new_tokens=3,
+                  work={"target": [[100, 0], [3, 100]], "hf": [[1, 100], [1, 101]]})
+    before = price(record, table)
+    table.position["pass_at_k"] = {"transformers": 0.101, "hf_specdec": 0.202}
+    after = price(record, table)
+    assert position_mode(table, "pass_at_k") == "pass_at_k" and position_mode(table, "self_consistency") == "sampling"
+    plain_positions, our_positions = 3, 1 + 3 + 2  # plain: one per token; ours: the prefill's, 3 verified, 2 drafted
+    assert after[1] - before[1] == pytest.approx(plain_positions * 0.1)
+    assert after[0] - before[0] == pytest.approx(our_positions * 0.2)
+    assert price(dict(record, workload="self_consistency"), table) == before
+    pinned = table.pinned_costs(100, "hf", 256, "pass_at_k")["costs"]
+    assert pinned.position == pytest.approx(0.202 / (1.0 + 0.202), abs=1e-4)
+    assert table.pinned_costs(100, "hf", 256)["costs"].position == 0.0  # no mode: positions unpriced
+    # the sampling arguments are all named: top-k 50, which generate() would otherwise add unasked
+    assert WORKLOADS["pass_at_k"].sampling() == dict(do_sample=True, temperature=0.8, top_p=0.95, top_k=50)
+
+
+def test_the_sequential_wall_clock_way_interleaves_one_row_calls_and_pairs_them_by_sample():
+    """evals/repetition_wall.py --sequential: each sample its own one-row call of each method, their
+    order rotating; the cache is shared by every call; speedups paired per sample."""
+    import argparse
+    import math
+
+    from repetition_wall import paired, run_sequential, summary
+
+    target = tiny_model("llama", seed=1)
+    draft = perturbed(target, 0.5)
+    prompts = {"self_consistency": [dict(id="7", input_ids=[1, 5, 2, 7, 9, 4])]}
+    args = argparse.Namespace(samples=2, max_new_tokens=12, seed=0, no_execute=True)
+    records = run_sequential(target, draft, None, prompts, args, lambda r: None)
+    assert [r["method"] for r in records] == ["plain", "hf_specdec", "hf_specdec+cache",
+                                               "hf_specdec", "hf_specdec+cache", "plain"]
+    assert [r["sample"] for r in records] == [0, 0, 0, 1, 1, 1] and all(r["rows"] == 1 for r in records)
+    text, rows = summary(records)
+    assert "per sample, geometric mean" in text
+    ratios = [(r["new_tokens"] / r["seconds"]) / (p["new_tokens"] / p["seconds"])
+              for r in records if r["method"] == "hf_specdec"
+              for p in records if p["method"] == "plain" and p["sample"] == r["sample"]]
+    assert paired(records, "hf_specdec").startswith(f"{math.exp(sum(map(math.log, ratios)) / 2):.2f}x [")

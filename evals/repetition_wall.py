@@ -250,6 +250,8 @@ def main(argv=None) -> list[dict]:
                              "with one RetrievalCache shared by every call), interleaved call by call")
     parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs")
     args = parser.parse_args(argv)
+    if args.sequential and args.continuous:
+        parser.error("--sequential (one-row calls) and --continuous (the n rows as a stream) time different shapes: give one")
     if min(args.samples, args.max_new_tokens, args.limit, args.reps) < 1:
         parser.error("--samples, --max-new-tokens, --limit and --reps must be at least 1")
     apply_threads(args.threads)

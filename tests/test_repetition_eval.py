@@ -161,7 +161,10 @@ def test_the_sequential_wall_clock_way_interleaves_one_row_calls_and_pairs_them_
     import argparse
     import math
 
-    from repetition_wall import paired, run_sequential, summary
+    from repetition_wall import main, paired, run_sequential, summary
+
+    with pytest.raises(SystemExit):  # two shapes at once: refused before any model loads
+        main(["--out", "unused", "--sequential", "--continuous"])
 
     target = tiny_model("llama", seed=1)
     draft = perturbed(target, 0.5)

@@ -54,8 +54,13 @@ import hf_specdec  # noqa: E402
 from common import add_options, apply_threads, load_pair  # noqa: E402
 from repetition import WORKLOADS, pass_at_k, passes, program, workload_prompts  # noqa: E402
 
-BATCHED = ("plain", "hf_specdec", "hf_specdec+cache")
-SEQUENTIAL = BATCHED  # --sequential: the same methods, one row a call
+BATCHED = ("plain", "hf_specdec", "hf_specdec+cache")  # also --sequential's, one row a call
+
+
+def rotated(methods, turn: int) -> list:
+    """`methods` starting at `turn` (modulo their count): no method always first."""
+    k = turn % len(methods)
+    return list(methods[k:]) + list(methods[:k])
 
 
 def row_tokens(rows: torch.Tensor, eos: set[int]) -> list[list[int]]:
@@ -110,25 +115,21 @@ def run_sequential(target, draft, tokenizer, prompts: dict[str, list[dict]], arg
     for name, workload_prompts_ in prompts.items():
         workload, shared = WORKLOADS[name], hf_specdec.RetrievalCache()
         problems = {p["id"]: p for p in workload_prompts_ if "problem" in p}
-        for method in SEQUENTIAL:  # untimed: a process's first calls are slower
+        for method in BATCHED:  # untimed: a process's first calls are slower
             batched_call(target, draft, workload_prompts_[0], workload, method, 1, min(8, args.max_new_tokens),
                          args.seed, None)
-        turn = 0
-        for prompt in workload_prompts_:
-            for sample in range(args.samples):
-                order = SEQUENTIAL[turn % len(SEQUENTIAL):] + SEQUENTIAL[: turn % len(SEQUENTIAL)]
-                turn += 1
-                for method in order:
-                    cache = shared if method == "hf_specdec+cache" else None
-                    toks, seconds = batched_call(target, draft, prompt, workload, method, 1, args.max_new_tokens,
-                                                 args.seed + sample, cache)
-                    rec = record_of(workload, method, prompt["id"], 0, toks, seconds, tokenizer, problems,
-                                    not args.no_execute)
-                    rec["sample"] = sample
-                    records.append(rec)
-                    sink(rec)
-                    print(f"{name} {method} {prompt['id']} sample {sample}: {rec['new_tokens']} tokens in {seconds:.1f} s",
-                          file=sys.stderr, flush=True)
+        for turn, (prompt, sample) in enumerate((p, i) for p in workload_prompts_ for i in range(args.samples)):
+            for method in rotated(BATCHED, turn):
+                cache = shared if method == "hf_specdec+cache" else None
+                toks, seconds = batched_call(target, draft, prompt, workload, method, 1, args.max_new_tokens,
+                                             args.seed + sample, cache)
+                rec = record_of(workload, method, prompt["id"], 0, toks, seconds, tokenizer, problems,
+                                not args.no_execute)
+                rec["sample"] = sample
+                records.append(rec)
+                sink(rec)
+                print(f"{name} {method} {prompt['id']} sample {sample}: {rec['new_tokens']} tokens in {seconds:.1f} s",
+                      file=sys.stderr, flush=True)
         print(f"{name}: the shared cache holds {len(shared)} tokens, {shared.memory_bytes() / 1e6:.2f} MB",
               file=sys.stderr, flush=True)
     return records
@@ -169,8 +170,7 @@ def run(target, draft, tokenizer, prompts: dict[str, list[dict]], args, sink) ->
             batched_call(target, draft, workload_prompts_[0], workload, method, args.samples,
                          min(8, args.max_new_tokens), args.seed, None)
         for rep in range(args.reps):
-            order = methods[rep % len(methods):] + methods[: rep % len(methods)]  # rotate: no method always first
-            for method in order:
+            for method in rotated(methods, rep):
                 if method == "continuous":
                     done, seconds = continuous_call(target, draft, workload_prompts_, workload, args.samples,
                                                     args.max_new_tokens, args.seed + rep)

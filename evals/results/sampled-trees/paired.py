@@ -1,9 +1,13 @@
 """Paired modelled comparison of two `evals/repetition.py` runs, sample by sample (same prompt, same seed):
-    python paired.py OLD NEW [table]     (each a run's folder or its records.jsonl, optionally :METHOD)"""
+    python paired.py OLD NEW [TABLE]     (each a run's folder or its records.jsonl, optionally :METHOD)
+TABLE: the label of a table the runs were priced with (default "standard"), or a cost_table.json to
+reprice both runs with (`evals/repetition.py`'s `price`: a workload's own position row where it has one)."""
 import json
 import math
 import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def load(path):
@@ -14,13 +18,24 @@ def load(path):
     return {(r["id"], r["sample"]): r for r in map(json.loads, path.open()) if not method or r.get("method") == method}
 
 
+def pricer(table):
+    """record -> (hf_specdec's modelled seconds, plain's): as recorded under `table`, or repriced with a table file."""
+    if not table.endswith(".json"):
+        return lambda r: (r["modelled"][table]["hf_specdec"], r["modelled"][table]["plain"])
+    sys.path[:0] = [str(ROOT / "evals"), str(ROOT)]
+    from costs import load_table
+    from repetition import price
 
-old, new = load(sys.argv[1]), load(sys.argv[2]); table = sys.argv[3] if len(sys.argv) > 3 else "standard"
+    loaded = load_table(Path(table))
+    return lambda r: price(r, loaded)
+
+
+old, new = load(sys.argv[1]), load(sys.argv[2]); seconds = pricer(sys.argv[3] if len(sys.argv) > 3 else "standard")
 keys = sorted(set(old) & set(new))
 def sp(r):
-    m = r["modelled"][table]; return m["plain"] / m["hf_specdec"]
+    ours, plain = seconds(r); return plain / ours
 def overall(rs):
-    return sum(r["modelled"][table]["plain"] for r in rs) / sum(r["modelled"][table]["hf_specdec"] for r in rs)
+    return sum(seconds(r)[1] for r in rs) / sum(seconds(r)[0] for r in rs)
 ratios = [sp(new[k]) / sp(old[k]) for k in keys]
 logs = [math.log(r) for r in ratios]
 g = math.exp(sum(logs) / len(logs))

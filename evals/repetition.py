@@ -231,7 +231,9 @@ def one_call(target, draft, prompt: dict, workload: Workload, table: CostTable, 
     return dict(prompt_tokens=ids.shape[1], new_tokens=len(tokens), tokens=tokens, work=work,
                 target_forwards=len(work.get("target", [])), rounds=len(rounds),
                 cache_rounds=sum(r.retrieval == "cache" for r in rounds),
-                ngram_rounds=sum(r.retrieval == "ngram" for r in rounds))
+                ngram_rounds=sum(r.retrieval == "ngram" for r in rounds),
+                # per round: what it verified (the draft's chain, or the retrieval source), its length, how many kept
+                log=[[r.retrieval or r.source, len(r.draft_tokens), r.num_accepted] for r in rounds])
 
 
 def finish_record(record: dict, prompt: dict, tokenizer, tables: dict[str, CostTable], execute: bool) -> dict:

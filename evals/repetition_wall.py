@@ -24,6 +24,11 @@ the three interleaved call by call, their order rotating; speedups are pooled an
 geometric mean of paired ratios with a 95% interval. The sampling arguments are the workload's
 (`repetition.Workload.sampling`: top-k 50 named, as generate() adds it).
 
+hf_specdec's draft is weight-only int8 in groups of 32 (`--draft-bits`; 16: as loaded), as the CLI
+quantizes it by default and as the standard preset's hf_specdec ran it: it is the draft the cost tables'
+"hf" row times, the row `evals/repetition.py` prices the draft's steps at (that script runs the draft as
+loaded, whose tokens differ from the int8 draft's only by rounding).
+
 Each method first runs once untimed (8 new tokens), then each call is seeded with
 torch.manual_seed(seed + repetition). Tokens: each row's new tokens up to
 and including its first EOS (plain pads the rest). Rate = tokens / wall seconds; speedup = a method's
@@ -51,7 +56,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
-from common import add_options, apply_threads, load_pair  # noqa: E402
+from common import add_options, apply_threads, hf_draft, load_pair  # noqa: E402
 from repetition import WORKLOADS, pass_at_k, passes, program, workload_prompts  # noqa: E402
 
 BATCHED = ("plain", "hf_specdec", "hf_specdec+cache")  # also --sequential's, one row a call
@@ -249,6 +254,9 @@ def main(argv=None) -> list[dict]:
                         help="each sample as its own one-row call instead of n rows (plain, hf_specdec, and hf_specdec "
                              "with one RetrievalCache shared by every call), interleaved call by call")
     parser.add_argument("--no-execute", action="store_true", help="do not run the HumanEval programs")
+    parser.add_argument("--draft-bits", type=int, choices=(4, 8, 16), default=8,
+                        help="hf_specdec's draft weight-only quantized to these bits, as the CLI's default and the standard "
+                             "preset's hf_specdec (and the cost tables' \"hf\" row the modelled runs price it at); 16: as loaded")
     args = parser.parse_args(argv)
     if args.sequential and args.continuous:
         parser.error("--sequential (one-row calls) and --continuous (the n rows as a stream) time different shapes: give one")
@@ -256,6 +264,7 @@ def main(argv=None) -> list[dict]:
         parser.error("--samples, --max-new-tokens, --limit and --reps must be at least 1")
     apply_threads(args.threads)
     target, draft, tokenizer = load_pair(args.target, args.draft, "cpu")
+    draft = hf_draft(draft, args.draft_bits)  # plain never runs the draft
     prompts = workload_prompts(tokenizer, args.workloads, args.limit)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -264,7 +273,8 @@ def main(argv=None) -> list[dict]:
         records = (run_sequential if args.sequential else run)(target, draft, tokenizer, prompts, args, write)
     text, rows = summary(records)
     command = "python evals/repetition_wall.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (out / "results.md").write_text(f"Command: `{command}`\n\n" + text)
+    bits = "as loaded" if args.draft_bits == 16 else f"weight-only int{args.draft_bits} (groups of 32)"
+    (out / "results.md").write_text(f"Command: `{command}`\n\nhf_specdec's draft: {bits}.\n\n" + text)
     print(text)
     return rows
 

@@ -165,6 +165,8 @@ def test_the_sequential_wall_clock_way_interleaves_one_row_calls_and_pairs_them_
 
     with pytest.raises(SystemExit):  # two shapes at once: refused before any model loads
         main(["--out", "unused", "--sequential", "--continuous"])
+    with pytest.raises(SystemExit):  # a draft precision the CLI has no quantizer for
+        main(["--out", "unused", "--sequential", "--draft-bits", "5"])
 
     target = tiny_model("llama", seed=1)
     draft = perturbed(target, 0.5)

@@ -194,21 +194,44 @@ def _prefills(model, vocab: int, lengths, reps: int, gen: torch.Generator) -> li
     return [statistics.median(times[n]) for n in lengths]
 
 
-def position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20) -> dict[str, float]:
+def position_seconds(processors: dict[str, object], vocab: int, device, reps: int = 20,
+                     logits: torch.Tensor | None = None) -> dict[str, float]:
     """Seconds to process one position's logits and pick its token, per engine (callables taking
-    [1, vocab] logits and returning a token)."""
+    [1, vocab] logits and returning a token). `logits`: real positions ([n, vocab], `recorded_logits`),
+    taken in turn; without them Gaussian logits, whose flat tail no language model has (a top-p
+    that looks only at the top of the order cannot stop early on them)."""
     gen = torch.Generator().manual_seed(0)
     out = {}
     for engine, pick in processors.items():
-        logits = (torch.randn(1, vocab, generator=gen) * 3).to(device)
-        pick(logits)  # warm-up
-        sync(logits.device)
+        rows = (torch.randn(1, vocab, generator=gen) * 3).to(device) if logits is None else logits.to(device)
+        pick(rows[:1])  # warm-up
+        sync(rows.device)
         start = time.perf_counter()
-        for _ in range(reps):
-            pick(logits)
-        sync(logits.device)
+        for i in range(reps):
+            pick(rows[i % rows.shape[0]][None])
+        sync(rows.device)
         out[engine] = (time.perf_counter() - start) / reps
     return out
+
+
+def recorded_logits(target, tokenizer, categories=None, most: int = 512) -> torch.Tensor:
+    """The target's logits ([n, vocab], float32) at the positions of the standard preset's recorded
+    plain-sampling outputs (`evals/results/standard/records.jsonl`), one prompt a category: what a
+    position's processors see in the runs, for `position_seconds`."""
+    from common import CATEGORIES, load_prompts
+
+    records = [json.loads(line) for line in (Path(__file__).parent / "results/standard/records.jsonl").open()]
+    first = {}
+    for r in records:
+        if r["mode"] == "sampling" and r["method"] == "plain" and r["category"] in (categories or CATEGORIES):
+            first.setdefault(r["category"], r)
+    prompts = {p["id"]: p for p in load_prompts(tokenizer, sorted(first), None, "all")}
+    rows = []
+    with torch.no_grad():
+        for r in first.values():
+            ids = torch.tensor([prompts[r["id"]]["input_ids"] + r["tokens"]], device=target.device)
+            rows.append(target(ids).logits[0, -len(r["tokens"]) - 1 : -1].float())
+    return torch.cat(rows)[:most]
 
 
 def sync(device) -> None:
@@ -217,26 +240,32 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def position_pickers(generation_config, mode_kwargs: dict, device="cpu") -> dict[str, object]:
-    """Per engine, a callable [1, vocab] logits -> token doing what that engine does per position:
-    transformers' warpers from the generation config and a multinomial draw (or argmax), or
-    hf_specdec's `RowProcessors` path and draw."""
-    from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def generate_processors(model, mode_kwargs: dict):
+    """The LogitsProcessorList generate() builds for a call with `mode_kwargs`: transformers fills in
+    what a call leaves out (top-k 50 under do_sample=True unless top_k is given), so the processors a
+    position runs are read from generate() itself, through a custom_generate that records them."""
+    seen = []
 
+    def record(model, input_ids, logits_processor=None, **ignored):
+        seen.append(logits_processor)
+        return input_ids
+
+    ids = torch.ones(1, 1, dtype=torch.long, device=model.device)
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, custom_generate=record, **mode_kwargs)
+    return seen[0]
+
+
+def position_pickers(model, mode_kwargs: dict) -> dict[str, object]:
+    """Per engine, a callable [1, vocab] logits -> token doing what that engine does per position:
+    the processors generate() builds for `mode_kwargs` (`generate_processors`) and a multinomial draw
+    (or argmax), or hf_specdec's `RowProcessors` path and draw."""
     from hf_specdec.sampling import RowProcessors, logits_to_probs, sample
 
-    ids = torch.zeros(1, 1, dtype=torch.long, device=device)
+    ids = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     if not mode_kwargs.get("do_sample"):
         argmax = lambda logits: logits.float().argmax(-1)  # noqa: E731
         return {engine: argmax for engine in ENGINES}
-    warpers = [TemperatureLogitsWarper(mode_kwargs.get("temperature", generation_config.temperature or 1.0))]
-    top_k = mode_kwargs.get("top_k", generation_config.top_k)
-    if top_k:
-        warpers.append(TopKLogitsWarper(top_k))
-    top_p = mode_kwargs.get("top_p", generation_config.top_p)
-    if top_p is not None and top_p < 1:
-        warpers.append(TopPLogitsWarper(top_p))
-    pipeline = LogitsProcessorList(warpers)
+    pipeline = generate_processors(model, mode_kwargs)
     ours = RowProcessors(pipeline, 1)
     return {
         "transformers": lambda logits: torch.multinomial(torch.softmax(pipeline(ids, logits.float()), -1), 1),
@@ -266,7 +295,7 @@ def measure(target, drafts: dict[str, torch.nn.Module], vocab: int, modes: dict[
         prefill[name] = _prefills(model, vocab, prefills, reps, gen)
     table = CostTable(widths=list(widths), contexts=list(contexts), forwards=forwards, prefills=list(prefills),
                       prefill=prefill)
-    table.position = {mode: position_seconds(position_pickers(target.generation_config, kwargs, target.device), vocab,
+    table.position = {mode: position_seconds(position_pickers(target, kwargs), vocab,
                                               target.device)
                       for mode, kwargs in modes.items()}
     return table

@@ -67,7 +67,7 @@ sys.path.insert(0, str(HERE))
 
 import hf_specdec  # noqa: E402
 from common import (  # noqa: E402
-    HUMANEVAL, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain, with_scored,
+    HUMANEVAL, MODES, ForwardTimer, add_options, apply_threads, load_pair, load_prompts, speedup_over_plain, with_scored,
     cost_table_file, out_folder, positive_int,
 )
 import costs  # noqa: E402
@@ -412,12 +412,17 @@ def lookup_on_outputs(folder: Path, prompts: dict[str, list[dict]], tables: dict
     return "\n".join(lines) + "\n"
 
 
-def measure_positions(table: CostTable, workloads: list[str], target, path: Path, repeats: int = 5) -> None:
-    """`table` with a position row per workload (`position_mode`), timed with the processors its calls
-    run (the median of `repeats` timings of 30 positions each), written to `path`."""
-    for name in workloads:
-        pickers = costs.position_pickers(target.generation_config, WORKLOADS[name].sampling(), target.device)
-        timings = [costs.position_seconds(pickers, target.config.get_text_config().vocab_size, target.device, reps=30)
+def measure_positions(table: CostTable, workloads: list[str], target, tokenizer, path: Path, repeats: int = 5) -> None:
+    """`table` with a position row per workload (`position_mode`) and its "sampling" row (the standard
+    preset's sampling calls) timed anew: each with the processors generate() builds for those calls
+    (`costs.generate_processors`: top-k 50 included where a call leaves top_k out), over the target's
+    real logits at recorded positions (`costs.recorded_logits`), the median of `repeats` timings of
+    30 positions each; written to `path`."""
+    logits = costs.recorded_logits(target, tokenizer)
+    calls = {**{name: WORKLOADS[name].sampling() for name in workloads}, "sampling": MODES["sampling"]}
+    for name, kwargs in calls.items():
+        pickers = costs.position_pickers(target, kwargs)
+        timings = [costs.position_seconds(pickers, logits.shape[-1], target.device, reps=30, logits=logits)
                    for _ in range(repeats)]
         table.position[name] = {engine: statistics.median(t[engine] for t in timings) for engine in pickers}
         print(f"{name}: " + ", ".join(f"{e} {s * 1000:.2f} ms" for e, s in table.position[name].items()), flush=True)
@@ -528,7 +533,7 @@ def main(argv=None) -> list[dict]:
         print(text)
         return []
     if args.measure_positions:
-        measure_positions(tables[next(iter(tables))], args.workloads, target, Path(args.out) / "cost_table.json")
+        measure_positions(tables[next(iter(tables))], args.workloads, target, tokenizer, Path(args.out) / "cost_table.json")
         return []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

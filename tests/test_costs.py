@@ -9,6 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+from conftest import tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "evals"))
@@ -141,3 +144,25 @@ def test_with_a_pinned_table_a_greedy_run_repeats_tokens_rounds_and_modelled_tim
         assert a["modelled_seconds"] == b["modelled_seconds"]
         if a["method"] == "hf_specdec":
             assert a["round_log"] == b["round_log"] and a["rounds"] == b["rounds"]
+
+
+def test_positions_are_priced_with_the_processors_generate_builds():
+    """generate(do_sample=True, temperature, top_p) also applies top-k 50 (transformers' default): the
+    position pickers take their processors from generate() itself, so a price is timed with what the
+    calls ran (the standard preset's "sampling" row was once timed without that top-k)."""
+    from transformers import TopKLogitsWarper, TopPLogitsWarper
+
+    from costs import generate_processors, position_pickers, position_seconds
+
+    model = tiny_model("llama", vocab=64)
+    as_called = generate_processors(model, dict(do_sample=True, temperature=0.7, top_p=0.95))
+    assert [p.top_k for p in as_called if isinstance(p, TopKLogitsWarper)] == [50]
+    assert any(isinstance(p, TopPLogitsWarper) for p in as_called)
+    unset = generate_processors(model, dict(do_sample=True, temperature=0.7, top_p=0.95, top_k=0))
+    assert not any(isinstance(p, TopKLogitsWarper) for p in unset)
+    pickers = position_pickers(model, dict(do_sample=True, temperature=0.7, top_k=3))
+    logits = torch.randn(5, 64, generator=torch.Generator().manual_seed(0))
+    for pick in pickers.values():  # each engine draws among the 3 highest only
+        assert all(int(pick(row[None])) in row.topk(3).indices.tolist() for row in logits for _ in range(5))
+    timed = position_seconds(pickers, 64, "cpu", reps=4, logits=logits)
+    assert set(timed) == {"transformers", "hf_specdec"} and all(s > 0 for s in timed.values())

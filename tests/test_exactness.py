@@ -130,7 +130,7 @@ def sample_rows(target, seed, prompts, rows=ROWS, **kwargs) -> list[list[tuple[i
     ids = torch.tensor([[0] * (width - len(p)) + p for p in every])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in every])
     torch.manual_seed(seed)  # plain generate() draws from the global generator; so do we without `generator=`
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **SAMPLING, **kwargs)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW, **{**SAMPLING, **kwargs})  # kwargs may replace them
     per_prompt = [[] for _ in prompts]
     for i, row in enumerate(out[:, width:].tolist()):
         per_prompt[i % len(prompts)].append(tuple(row))
@@ -292,6 +292,48 @@ def test_sampling_is_exact_with_a_large_vocabulary():
     assert sum(p * SAMPLES >= 5 for p in law.values()) >= 20 and max(law.values()) < 0.3
     (samples,) = sample_rows(target, 12, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(draft))
     assert law_pvalue(law, samples, "large vocabulary (sparse paths)") > ALPHA
+
+
+def test_sampling_is_exact_with_top_p_alone_over_a_large_vocabulary(monkeypatch):
+    """No top-k (the standard preset's sampling): top-p finds its cut among the 256 highest of 2048
+    scores (SparseTopPLogitsWarper's dense path) for both models; its rows past the candidates or
+    near the cut go to transformers' code. The reference law is enumerated with transformers' own
+    warpers, and the dense path must have run for most positions."""
+    target, draft, law = dense_top_p_case()
+    rows_to_transformers = []
+    real = TopPLogitsWarper.__call__
+    monkeypatch.setattr(TopPLogitsWarper, "__call__",
+                        lambda self, i, s: rows_to_transformers.append(s.shape[0]) or real(self, i, s))
+    (samples,) = sample_rows(target, 13, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(draft, **DENSE_TOP_P))
+    assert sum(rows_to_transformers) < SAMPLES * NEW / 4  # most positions took the dense path (measured: 246 rows)
+    assert law_pvalue(law, samples, "top-p alone, large vocabulary (dense path)") > ALPHA
+
+
+def test_broken_dense_top_p_is_detected(monkeypatch):
+    """Broken on purpose: the dense path's normaliser a quarter short, so every candidate's probability
+    is overstated and the cut falls early (measured: joint chi2 1897 on 115 dof). The subtler bug of
+    normalising over the candidates alone moves this law too little (noncentrality 0.1 at 3000 draws);
+    `tests/test_sampling.py` catches that one by comparing kept tokens with transformers'."""
+    import math
+
+    from hf_specdec.sampling import SparseTopPLogitsWarper
+
+    target, draft, law = dense_top_p_case()
+    short = staticmethod(lambda scores: torch.logsumexp(scores.float(), dim=-1, keepdim=True) + math.log(0.8))
+    monkeypatch.setattr(SparseTopPLogitsWarper, "_normaliser", short)
+    (samples,) = sample_rows(target, 13, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(draft, **DENSE_TOP_P))
+    assert law_pvalue(law, samples, "BROKEN dense top-p (normaliser short)") < ALPHA
+
+
+DENSE_TOP_P = dict(temperature=1.0, top_k=0, top_p=0.9, repetition_penalty=1.0)
+
+
+def dense_top_p_case():
+    """(target, draft, law) with a 2048-token vocabulary and DENSE_TOP_P's processors."""
+    target = tiny_model("llama", vocab=2048, seed=22, init=0.8)
+    law = exact_joint(target, pipeline=LogitsProcessorList([TemperatureLogitsWarper(1.0), TopPLogitsWarper(0.9)]))
+    assert sum(p * SAMPLES >= 5 for p in law.values()) >= 20 and max(law.values()) < 0.3
+    return target, perturbed(target, noise=0.4), law
 
 
 # ---------------------------------------------------------------- batches of different prompts

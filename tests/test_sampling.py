@@ -3,6 +3,8 @@ as a full-vocabulary multinomial draw."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from scipy import stats
@@ -108,3 +110,71 @@ def test_sparse_draw_follows_the_weights():
     assert stats.chisquare(counts[where].numpy(), expected).pvalue > 1e-3
     uniform = torch.bincount(where[torch.randint(0, support, (samples,), generator=gen)], minlength=vocab)
     assert stats.chisquare(uniform[where].numpy(), expected).pvalue < 1e-3
+
+
+def dense_logits(gen, rows, vocab, trial):
+    """LM-like logits with no top-k before top-p: a head of a few boosted tokens over a Gaussian body,
+    the head's size and height varying with `trial` (nuclei of 1 token to past the candidates)."""
+    logits = torch.randn(rows, vocab, generator=gen) * 2
+    head = torch.randint(0, vocab, (rows, 1 + trial % 7), generator=gen)
+    height = math.log(vocab) + 2 * (trial % 4) + 3 * torch.rand(head.shape, generator=gen)  # the body's log-mass is log(vocab) + 2
+    return logits.scatter_add(-1, head, height)
+
+
+def count_transformers_calls(monkeypatch):
+    calls = []
+    real = TopPLogitsWarper.__call__
+    monkeypatch.setattr(TopPLogitsWarper, "__call__", lambda self, i, s: calls.append(s.shape[0]) or real(self, i, s))
+    return calls
+
+
+@pytest.mark.parametrize("vocab", [4096, 151936])
+def test_dense_top_p_keeps_the_same_tokens_as_transformers_without_sorting_the_vocabulary(vocab, monkeypatch):
+    """No top-k before top-p (the standard preset's sampling): the cut is found among the 1024
+    highest entries, and the tokens kept are transformers' on every row; rows it cannot call
+    (a nucleus past the candidates, a sum within the margin, a tie) go to transformers' code alone."""
+    calls = count_transformers_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    fast = slow = 0
+    for trial in range(30 if vocab < 10000 else 10):
+        logits = dense_logits(gen, 4, vocab, trial)
+        for top_p, temperature in [(0.95, 0.7), (0.8, 1.0), (0.5, 1.3), (0.99, 0.5)]:
+            warped = TemperatureLogitsWarper(temperature)(IDS, logits.clone())
+            calls.clear()
+            theirs, ours = both(warped, top_p, min_keep=1 + trial % 3)
+            assert torch.equal(theirs, ours)
+            fast += 4 - sum(calls[1:])  # calls[0] is transformers' own run in `both`
+            slow += sum(calls[1:])
+    assert fast > 100 and slow > 20  # both paths exercised (measured: 455 and 25; 135 and 25 at 152k)
+
+
+def test_dense_top_p_falls_back_on_ties_at_the_cut_and_keeps_transformers_tokens(monkeypatch):
+    calls = count_transformers_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(4)
+    tied = 0
+    for trial in range(120):
+        logits = torch.round(dense_logits(gen, 1, 4096, trial) / 0.25) * 0.25  # exact ties among the head
+        calls.clear()
+        theirs, ours = both(logits, top_p=[0.3, 0.5, 0.7, 0.9][trial % 4], min_keep=1 + trial % 2)
+        assert torch.equal(theirs, ours)
+        tied += len(calls) == 2
+    assert tied > 5
+
+
+def test_dense_top_p_normalised_over_the_candidates_only_would_be_caught():
+    """Broken on purpose: probabilities normalised over the 256 candidates rather than the whole
+    vocabulary overstate each one, so the cut moves up; the comparison above catches it."""
+    import hf_specdec.sampling as sampling
+
+    class CandidatesOnly(SparseTopPLogitsWarper):
+        @staticmethod
+        def _normaliser(scores):
+            return torch.logsumexp(scores.topk(sampling.NUCLEUS_CANDIDATES, dim=-1).values.float(), dim=-1, keepdim=True)
+
+    gen = torch.Generator().manual_seed(3)
+    differ = 0
+    for trial in range(40):
+        warped = dense_logits(gen, 4, 4096, trial)  # temperature 1: more of the mass in the body
+        theirs = TopPLogitsWarper(0.95)(IDS, warped.clone())
+        differ += int((theirs != CandidatesOnly(0.95)(IDS, warped.clone())).any(dim=-1).sum())
+    assert differ > 15  # rows that keep other tokens (measured: 40 of 160)

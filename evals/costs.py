@@ -79,8 +79,9 @@ class CostTable:
         and the draft's prefill per token (over the prompt's last `window` tokens; None: the whole
         prompt); all over the target step. With `mode`, each scored position's processing is priced as
         `modelled_seconds` prices it (a target forward over w tokens scores up to w positions, a draft
-        step and a plain step one): in sampling on this CPU a position costs 7% of a step (top-p sorts
-        the vocabulary), so a long lookup chain is dearer than its forward alone; and, when sampling,
+        step and a plain step one): in sampling on this CPU a position costs about 1% of a step for
+        hf_specdec (top-k 50 and top-p, `evals/results/top-k-positions/`; 7% in tables timed without
+        the top-k), so a long lookup chain is dearer than its forward alone; and, when sampling,
         that price is also given apart (`Costs.position`), so the planner pays for the positions past
         the lazy rule's first chunk only as likely as they are reached."""
         position = self.position[mode]["hf_specdec"] if mode else 0.0

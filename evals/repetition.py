@@ -24,8 +24,9 @@ then one one-token target forward per further token at the growing context), pri
 "transformers". Modelled speedup = (tokens / method's modelled s) / (tokens / plain's modelled s).
 Further tables (`--cost-table` again, or `--reprice`) reprice the same work; hf_specdec's choices were
 made under the first. A position is priced at the table's row for the workload where it has one
-(`--measure-positions`: timed with the workload's own processors, top-k 50 included), else at its
-"sampling" row (T 0.7, top-p 0.95, no top-k: transformers' top-p sorts the whole vocabulary).
+(`--measure-positions`: timed with the processors generate() builds for its calls, top-k 50 included),
+else at its "sampling" row (`evals/results/top-k-positions/cost_table.json` times it as the standard
+preset's calls run, with top-k 50; older tables timed it without, a full-vocabulary sort).
 
 Both workloads sample with top-k 50 as well: transformers' generate() adds it to do_sample=True unless
 top_k is given, and every run of this script has drawn its samples so. It matters to the prices:
@@ -78,7 +79,7 @@ MODE = "sampling"  # the cost table's row that prices positions and pins hf_spec
 METHODS = ("hf_specdec", "hf_specdec+cache")
 STOPS = ("\ndef ", "\nclass ", "\nif __name__", "\nprint(")  # the HumanEval harness's stop sequences
 REPORT_PROMPTS = PRESETS["standard"].prompts_per_category  # the standard preset's prompts per category (5)
-DEFAULT_TABLE = HERE / "results" / "standard" / "cost_table.json"
+DEFAULT_TABLE = HERE / "results" / "top-k-positions" / "cost_table.json"  # positions timed as the calls run
 
 
 @dataclass(frozen=True)
@@ -105,7 +106,7 @@ WORKLOADS = {
 
 def position_mode(table: CostTable, workload: str) -> str:
     """The table's row that prices one of `workload`'s positions: its own, measured with its processors
-    (`--measure-positions`), else the "sampling" row (T 0.7, top-p 0.95, no top-k: a full-vocabulary sort)."""
+    (`--measure-positions`), else the "sampling" row."""
     return workload if workload in table.position else MODE
 
 

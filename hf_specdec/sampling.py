@@ -170,10 +170,10 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
     """transformers' top-p, without sorting the whole vocabulary.
 
     transformers' `TopPLogitsWarper` sorts all 152k entries (Qwen2.5) at every position: 9 to 12 ms
-    on one core of this project's CPU, 5% of a target step for each position scored. Its rule (ascending sort, softmax,
-    cumulative sum, remove where the sum is at most 1 - top_p, keep at least min_tokens_to_keep) keeps
-    a token exactly when the tokens above it hold less than top_p, so only the top of the order
-    matters. On the CPU this computes the same rule on fewer entries:
+    on one core of this project's CPU, 5% of a target step for each position scored. Its rule
+    (ascending sort, softmax, cumulative sum, remove where the sum is at most 1 - top_p, keep at least
+    min_tokens_to_keep) keeps a token exactly when the tokens above it hold less than top_p, so only
+    the top of the order matters. On the CPU this computes the same rule on fewer entries:
 
     - when every row has at most SPARSE_FRACTION of the vocabulary finite (after top-k or min-p), it
       sorts just the finite entries (the -inf ones can never be kept);

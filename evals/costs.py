@@ -215,16 +215,16 @@ def position_seconds(processors: dict[str, object], vocab: int, device, reps: in
     return out
 
 
-def recorded_logits(target, tokenizer, categories=None, most: int = 512) -> torch.Tensor:
+def recorded_logits(target, tokenizer) -> torch.Tensor:
     """The target's logits ([n, vocab], float32) at the positions of the standard preset's recorded
     plain-sampling outputs (`evals/results/standard/records.jsonl`), one prompt a category: what a
     position's processors see in the runs, for `position_seconds`."""
-    from common import CATEGORIES, load_prompts
+    from common import load_prompts
 
     records = [json.loads(line) for line in (Path(__file__).parent / "results/standard/records.jsonl").open()]
     first = {}
     for r in records:
-        if r["mode"] == "sampling" and r["method"] == "plain" and r["category"] in (categories or CATEGORIES):
+        if r["mode"] == "sampling" and r["method"] == "plain":
             first.setdefault(r["category"], r)
     prompts = {p["id"]: p for p in load_prompts(tokenizer, sorted(first), None, "all")}
     rows = []
@@ -232,7 +232,7 @@ def recorded_logits(target, tokenizer, categories=None, most: int = 512) -> torc
         for r in first.values():
             ids = torch.tensor([prompts[r["id"]]["input_ids"] + r["tokens"]], device=target.device)
             rows.append(target(ids).logits[0, -len(r["tokens"]) - 1 : -1].float())
-    return torch.cat(rows)[:most]
+    return torch.cat(rows)
 
 
 def sync(device) -> None:

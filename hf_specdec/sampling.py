@@ -204,7 +204,7 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
         sorted_logits, order = scores.gather(-1, candidates).sort(dim=-1)  # ascending, like transformers
         remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - self.top_p)  # [rows, finite]
         remove[..., -self.min_tokens_to_keep :] = False
-        if self._tie_at_cut(sorted_logits, remove.sum(dim=-1, keepdim=True)):
+        if bool(self._ties_at_cut(sorted_logits, remove.sum(dim=-1, keepdim=True)).any()):
             return super().__call__(input_ids, scores)  # its sort decides which tied tokens survive
         removed = candidates.gather(-1, order).masked_fill(~remove, -1)  # [rows, finite]: token ids, -1 if kept
         out = scores.clone()
@@ -220,10 +220,10 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
         below = 1 - (probs.cumsum(dim=-1) - probs)  # transformers' ascending cumulative sum at each candidate
         remove = below <= (1 - self.top_p)
         remove[..., : self.min_tokens_to_keep] = False
-        kept = (~remove).sum(dim=-1, keepdim=True).clamp_max(top.shape[-1] - 1)  # a prefix: `below` only falls
+        removed = remove.sum(dim=-1, keepdim=True)  # a suffix of the candidates: `below` only falls
         theirs = (~torch.isfinite(norm[:, 0]) | ~remove[:, -1]  # the nucleus reaches past the candidates
                   | ((below - (1 - self.top_p)).abs() < NUCLEUS_MARGIN).any(dim=-1)  # too near the cut to call
-                  | (top.gather(-1, kept - 1) == top.gather(-1, kept))[:, 0])  # a tie straddles the cut
+                  | self._ties_at_cut(top.flip(-1), removed))  # a tie straddles the cut
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, index, ~remove)
         out = scores.masked_fill(~keep, self.filter_value)
         if bool(theirs.any()):  # those rows by transformers' code (it treats each row alone)
@@ -238,15 +238,15 @@ class SparseTopPLogitsWarper(lp.TopPLogitsWarper):
         return torch.logsumexp(scores.float(), dim=-1, keepdim=True)
 
     @staticmethod
-    def _tie_at_cut(
+    def _ties_at_cut(
         sorted_logits: torch.Tensor,  # [rows, n] ascending
         cut: torch.Tensor,  # [rows, 1]: how many are removed (removal is a prefix of the sorted order)
-    ) -> bool:
-        """Whether in some row the last removed and the first kept score are equal (and finite)."""
+    ) -> torch.Tensor:  # [rows] bool
+        """Per row, whether the last removed and the first kept score are equal (and finite)."""
         n = sorted_logits.shape[-1]
         last_removed = sorted_logits.gather(-1, (cut - 1).clamp_min(0))
         first_kept = sorted_logits.gather(-1, cut.clamp_max(n - 1))
-        return bool(((cut > 0) & (cut < n) & (last_removed == first_kept) & torch.isfinite(first_kept)).any())
+        return ((cut > 0) & (cut < n) & (last_removed == first_kept) & torch.isfinite(first_kept))[:, 0]
 
 
 class Pipeline(LogitsProcessorList):

@@ -294,12 +294,12 @@ def test_sampling_is_exact_with_a_large_vocabulary():
     assert law_pvalue(law, samples, "large vocabulary (sparse paths)") > ALPHA
 
 
-def test_sampling_is_exact_with_top_p_alone_over_a_large_vocabulary(monkeypatch):
+def test_sampling_is_exact_with_top_p_alone_over_a_large_vocabulary(monkeypatch, dense_top_p_case):
     """No top-k (the standard preset's sampling): top-p finds its cut among the 256 highest of 2048
     scores (SparseTopPLogitsWarper's dense path) for both models; its rows past the candidates or
     near the cut go to transformers' code. The reference law is enumerated with transformers' own
     warpers, and the dense path must have run for most positions."""
-    target, draft, law = dense_top_p_case()
+    target, draft, law = dense_top_p_case
     rows_to_transformers = []
     real = TopPLogitsWarper.__call__
     monkeypatch.setattr(TopPLogitsWarper, "__call__",
@@ -309,7 +309,7 @@ def test_sampling_is_exact_with_top_p_alone_over_a_large_vocabulary(monkeypatch)
     assert law_pvalue(law, samples, "top-p alone, large vocabulary (dense path)") > ALPHA
 
 
-def test_broken_dense_top_p_is_detected(monkeypatch):
+def test_broken_dense_top_p_is_detected(monkeypatch, dense_top_p_case):
     """Broken on purpose: the dense path's normaliser a quarter short, so every candidate's probability
     is overstated and the cut falls early (measured: joint chi2 1897 on 115 dof). The subtler bug of
     normalising over the candidates alone moves this law too little (noncentrality 0.1 at 3000 draws);
@@ -318,7 +318,7 @@ def test_broken_dense_top_p_is_detected(monkeypatch):
 
     from hf_specdec.sampling import SparseTopPLogitsWarper
 
-    target, draft, law = dense_top_p_case()
+    target, draft, law = dense_top_p_case
     short = staticmethod(lambda scores: torch.logsumexp(scores.float(), dim=-1, keepdim=True) + math.log(0.8))
     monkeypatch.setattr(SparseTopPLogitsWarper, "_normaliser", short)
     (samples,) = sample_rows(target, 13, PROMPT.tolist(), rows=SAMPLES, **spec_kwargs(draft, **DENSE_TOP_P))
@@ -328,8 +328,9 @@ def test_broken_dense_top_p_is_detected(monkeypatch):
 DENSE_TOP_P = dict(temperature=1.0, top_k=0, top_p=0.9, repetition_penalty=1.0)
 
 
+@pytest.fixture(scope="module")
 def dense_top_p_case():
-    """(target, draft, law) with a 2048-token vocabulary and DENSE_TOP_P's processors."""
+    """(target, draft, law) with a 2048-token vocabulary and DENSE_TOP_P's processors, built once."""
     target = tiny_model("llama", vocab=2048, seed=22, init=0.8)
     law = exact_joint(target, pipeline=LogitsProcessorList([TemperatureLogitsWarper(1.0), TopPLogitsWarper(0.9)]))
     assert sum(p * SAMPLES >= 5 for p in law.values()) >= 20 and max(law.values()) < 0.3

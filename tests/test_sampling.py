@@ -59,15 +59,17 @@ def test_sparse_top_p_falls_back_where_ties_straddle_the_cut_and_keeps_transform
     assert straddled > 10 and fast > 10  # both branches exercised
 
 
+class NoTieCheck(SparseTopPLogitsWarper):
+    """Broken on purpose: no row is ever taken for a tie straddling the cut."""
+
+    @staticmethod
+    def _ties_at_cut(sorted_logits, cut):
+        return torch.zeros(sorted_logits.shape[0], dtype=torch.bool)
+
+
 def test_without_the_tie_check_the_tied_inputs_catch_a_difference():
-    """Broken on purpose: the sparse path with its tie check removed keeps other tied tokens than
-    transformers on the tied inputs above (measured: 71 of 200 cases), so that test has teeth."""
-
-    class NoTieCheck(SparseTopPLogitsWarper):
-        @staticmethod
-        def _tie_at_cut(sorted_logits, cut):
-            return False
-
+    """Broken on purpose: both paths with their tie check removed keep other tied tokens than
+    transformers on the tied inputs of the two tests (sparse and dense), so those tests have teeth."""
     gen = torch.Generator().manual_seed(1)
     differ = 0
     for trial in range(200):
@@ -76,7 +78,15 @@ def test_without_the_tie_check_the_tied_inputs_catch_a_difference():
         top_p, min_keep = [0.3, 0.5, 0.7, 0.9][trial % 4], 1 + trial % 2
         theirs = TopPLogitsWarper(top_p, min_tokens_to_keep=min_keep)(IDS, warped.clone())
         differ += not torch.equal(theirs, NoTieCheck(top_p, min_tokens_to_keep=min_keep)(IDS, warped.clone()))
-    assert differ > 20
+    assert differ > 20  # sparse path (measured: 71 of 200)
+    gen = torch.Generator().manual_seed(4)
+    differ = 0
+    for trial in range(120):
+        logits = torch.round(dense_logits(gen, 1, 4096, trial) / 0.25) * 0.25
+        top_p, min_keep = [0.3, 0.5, 0.7, 0.9][trial % 4], 1 + trial % 2
+        theirs = TopPLogitsWarper(top_p, min_tokens_to_keep=min_keep)(IDS, logits.clone())
+        differ += not torch.equal(theirs, NoTieCheck(top_p, min_tokens_to_keep=min_keep)(IDS, logits.clone()))
+    assert differ > 2  # dense path (measured: 6 of 120)
 
 
 def test_sparse_top_p_without_a_sparsifying_processor_is_transformers_own(monkeypatch):

@@ -125,6 +125,7 @@ def validate(
     _validate_window(_validate_holes(model, input_ids, continuous), input_ids, generation_config)
     _validate_same_function(model, input_ids.shape[0] > 1 or continuous)
     _validate_rope(model.config, tuple(input_ids.shape), generation_config.max_length, continuous)
+    _warn_dropout(model, "target")
     if assistant is not None:
         _validate_assistant(model, assistant)
         _validate_layers(assistant, "draft model (assistant)")
@@ -234,6 +235,21 @@ def _origin(model: PreTrainedModel, generation_config: GenerationConfig, name: s
     if getattr(model.generation_config, name, None) == value:
         return f" ({name}={value!r} comes from the model's generation_config: pass {name}=None to generate())"
     return ""
+
+
+def _warn_dropout(model: PreTrainedModel, who: str) -> None:
+    """A model in training mode with dropout (built from a config, or after .train()): every forward
+    is random, so outputs, plain generate()'s too, repeat no run and match no eval-mode run. Warned
+    about once a process; the draft's dropout would only cost speed."""
+    if not model.training or ("dropout", who) in _WARNED:
+        return
+    rates = [getattr(text_config(model.config), "attention_dropout", 0.0)]  # Llama's kind: F.dropout in attention
+    rates += [getattr(m, "p", 0.0) for m in model.modules() if m.training and type(m).__name__.endswith("Dropout")]
+    if any(isinstance(r, numbers.Real) and r > 0 for r in rates):
+        _WARNED.add(("dropout", who))
+        logger.warning("the %s is in training mode with dropout (model.train(), or built from a config): its forwards "
+                       "are random, so the output differs from an eval-mode run (plain generate()'s would too). "
+                       "Call .eval() on it first", who)
 
 
 def _validate_assisted(model: PreTrainedModel, generation_config: GenerationConfig) -> None:

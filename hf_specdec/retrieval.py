@@ -220,7 +220,11 @@ def _write_whole(path: Path, text: str) -> None:
     """`text` into `path` whole or not at all: written beside it, then moved over it (a failed or
     interrupted write leaves the earlier file as it was). A link is followed (the file it names is
     replaced, the link kept), and a file replaced keeps its permissions."""
-    path = Path(os.path.realpath(path))
+    given, path = path, Path(os.path.realpath(path))
+    if not path.parent.is_dir():
+        raise FileNotFoundError(f"cannot save to {str(given)!r}: its folder {str(path.parent)!r} does not exist")
+    if path.is_dir():
+        raise IsADirectoryError(f"cannot save to {str(given)!r}: it is a folder; name a file in it")
     spare = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else None
     spare.unlink(missing_ok=True)  # one a crashed save of an earlier process with this pid left

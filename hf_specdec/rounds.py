@@ -120,6 +120,7 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
         state.lookup.sync(batch.prompt_host, batch.generated, batch.rows)  # the rows' new tokens, for each other
     room = 0 if planner.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
     if state.max_positions is not None:  # a table of positions (GPT-2): fed tokens must not pass its last row
+        _check_positions(batch.longest(), state.max_positions)
         room = min(room, state.max_positions - batch.longest())
     draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
@@ -135,6 +136,16 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
         proposal = _propose_chains(state, request, room, trace)
     trace.seconds = state.clock.now() - start
     return proposal, trace
+
+
+def _check_positions(length: int, table: int) -> None:
+    """A row of `length` tokens feeds its last at position length - 1: past a learned table's last row
+    plain generate() fails too (an IndexError inside the model); this says why, before the forward."""
+    if length > table:
+        raise ValueError(f"the target looks positions up in a table of {table} rows (n_positions or "
+                         f"max_position_embeddings) and a row now holds {length} tokens, so its next forward needs "
+                         f"position {length - 1}, past the table (plain generate() fails here too). Ask for at most "
+                         f"max_length={table + 1} tokens in all, prompt included, or shorten the prompt")
 
 
 def _lookup_reach(state: DecodeState, tokens: list[int], size: int, source: str,

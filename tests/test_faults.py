@@ -1112,3 +1112,32 @@ def test_a_drafter_whose_own_start_refuses_is_released_and_a_copy_is_free():
     out = target.generate(torch.tensor([[1, 2, 3]]), acceptance_sink=lambda r: copies.append(copy.deepcopy(drafter)), **kwargs)
     assert torch.equal(out, plain) and copies
     assert torch.equal(target.generate(torch.tensor([[1, 2, 3]]), **{**kwargs, "candidate_generator": copies[0]}), plain)
+
+
+def test_a_target_with_a_learned_position_table_is_named_where_it_ends(models):
+    """From a probe: a GPT-2 target asked past its n_positions failed with torch's bare IndexError
+    inside the verify forward (plain generate() fails there too); up to the table's end it matches plain."""
+    _, draft = models
+    target = short_context_draft(16)  # as a target: 16 learned positions
+    prompt = [2, 3, 4, 5]
+    out = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=13,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    assert torch.equal(out[0, len(prompt):], plain(target, prompt, max_new_tokens=13))
+    with pytest.raises(ValueError, match=r"table of 16 rows .* at most max_length=17"):
+        target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=14,
+                        custom_generate=hf_specdec.speculative_generate, assistant=draft)
+
+
+def test_a_target_in_training_mode_with_dropout_is_warned_about(models, caplog):
+    from hf_specdec import arguments
+
+    target, draft = models
+    dropping = short_context_draft(1024).train()  # GPT-2's dropout modules, p = 0.1
+    arguments._WARNED.discard(("dropout", "target"))
+    with caplog.at_level("WARNING", logger="hf_specdec"):
+        target.generate(torch.tensor([[2, 3, 4]]), do_sample=False, max_new_tokens=3,
+                        custom_generate=hf_specdec.speculative_generate, assistant=draft)
+        assert "training mode with dropout" not in caplog.text  # eval mode: nothing said
+        dropping.generate(torch.tensor([[2, 3, 4]]), do_sample=False, max_new_tokens=3,
+                          custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    assert "the target is in training mode with dropout" in caplog.text

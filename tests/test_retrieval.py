@@ -573,3 +573,14 @@ def test_a_saved_file_with_bad_prompt_extents_is_named(tmp_path, contexts):
     (tmp_path / "bad.json").write_text(json.dumps(data))
     with pytest.raises(ValueError, match="not a valid saved hf_specdec.RetrievalCache"):
         RetrievalCache.load(tmp_path / "bad.json")
+
+
+def test_a_save_to_a_missing_folder_or_a_folder_names_the_path(tmp_path):
+    """From a probe: the error named the hidden file written beside the path, not the path given."""
+    cache = RetrievalCache()
+    cache.add([1, 2, 3])
+    with pytest.raises(FileNotFoundError, match=r"cannot save to .*nowhere/c\.json.*does not exist"):
+        cache.save(tmp_path / "nowhere" / "c.json")
+    with pytest.raises(IsADirectoryError, match="it is a folder"):
+        cache.save(tmp_path)
+    assert not list(tmp_path.iterdir())  # nothing left behind

@@ -320,7 +320,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hf-specdec", description="Exact speculative decoding for transformers.")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # Not `required=True`: argparse would then report `hf-specdec --typo` as a missing command.
+    sub = parser.add_subparsers(dest="command", metavar="{generate}")
     gen = sub.add_parser("generate", help="generate with the speculative pair and compare with plain decoding")
     gen.add_argument("prompt", nargs="?", type=_prompt, default=DEFAULT_PROMPT)
     gen.add_argument("--target", default=TARGET.name, type=_model("target"), help="registry name, local folder or hub id")
@@ -352,6 +353,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)  # bad arguments: argparse's one-line error, exit 2
+    if args.command is None:
+        parser.error('no command given: hf-specdec generate "prompt"')
     problem = _check_together(args)
     if problem:
         parser.exit(2, f"hf-specdec generate: error: {problem} (--help for usage)\n")

@@ -672,6 +672,21 @@ def test_cli_refuses_bad_arguments_in_one_line_before_loading(capsys, monkeypatc
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),  # was: "required: command"
+    (["--no-such-flag", "generate"], "unrecognized arguments: --no-such-flag"),
+    ([], "no command given"),
+    (["speculate"], "invalid choice: 'speculate'"),
+])
+def test_cli_names_a_bad_top_level_argument(capsys, argv, message):
+    from hf_specdec import cli as cli_module
+
+    with pytest.raises(SystemExit) as exited:
+        cli_module.main(argv)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
 def test_cli_checks_arguments_together_before_loading(tmp_path):
     """--pack yes with an accelerator, and self:L against a local target's config.json (no weights read)."""
     import argparse

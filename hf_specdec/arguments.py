@@ -191,6 +191,9 @@ def _validate_call(input_ids, generation_config: GenerationConfig, assistant, ca
             or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
         shape = f"a {input_ids.dim()}-D {input_ids.dtype} tensor" if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
         raise ValueError(f"input_ids must be a 2-D tensor of token ids, [rows, tokens], got {shape}")
+    if input_ids.dtype not in (torch.int64, torch.int32):  # an embedding takes no other (plain generate() fails in it)
+        raise ValueError(f"input_ids must hold int64 (torch.long) or int32 token ids, got {input_ids.dtype}: "
+                         "convert them with .long()")
     if assistant is not None and candidate_generator is not None:  # the draft was never used
         raise ValueError("both assistant= and candidate_generator= were given: pass one draft source")
 
@@ -518,6 +521,30 @@ _WITH_EOS = {"min_length": 0, "min_new_tokens": 0}  # processors only where an e
 _WARPED = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "typical_p": 1.0, "epsilon_cutoff": 0.0,
            "eta_cutoff": 0.0, "top_h": None}  # sampling only
 _STOPPED = {"eos_token_id": None, "stop_strings": None, "max_time": None}
+
+
+def stop_strings_as_criteria(model: PreTrainedModel, kwargs: dict[str, Any], where: str) -> dict[str, Any]:
+    """`stop_strings` (given, or set in the GenerationConfig passed, else the model's) as a StopStringCriteria in
+    `stopping_criteria`, built from `tokenizer=`: transformers drops `tokenizer` on its way to a callable
+    custom_generate, so the callable would fail asking for the tokenizer it was given. `where`: the call to name."""
+    from transformers import StopStringCriteria
+
+    passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
+    explicit = "stop_strings" in kwargs  # stop_strings=None turns the model's default off, as in plain generate()
+    strings = kwargs.pop("stop_strings", None)
+    if strings is None and not explicit:
+        strings = getattr(passed, "stop_strings", None) or default
+    if strings is not None:
+        if kwargs.get("tokenizer") is None:
+            raise ValueError(f"stop_strings needs the tokenizer: pass tokenizer=... to {where}")
+        stop = StopStringCriteria(kwargs.pop("tokenizer"), strings)
+        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
+        if getattr(passed, "stop_strings", None) is not None:
+            kwargs["generation_config"] = passed = copy.deepcopy(passed)
+            passed.stop_strings = None
+    if explicit or (strings is not None and default is not None):  # else transformers fills a config's back in
+        kwargs["stop_strings"] = None
+    return kwargs
 
 
 def _check_unprepared(generation_config: GenerationConfig, no_processors: bool, no_criteria: bool) -> None:

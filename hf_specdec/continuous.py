@@ -469,10 +469,12 @@ def generate_continuous(
     `temperature`, `generator`, `acceptance_sink`, `costs`, ...). Returns one `StreamResult` per
     prompt in the order given (a failed one with its `error`); `on_result` receives each as soon as
     its row finishes. Raises `StreamError` (with the complete results) if the stream stopped early."""
+    from .arguments import stop_strings_as_criteria
     from .generate import speculative_generate
     from .proposals.draft_model import context_length
 
     _check_call(model, prompts, assistant, max_batch_size, on_result, progress, generate_kwargs)
+    generate_kwargs = stop_strings_as_criteria(model, dict(generate_kwargs), "generate_continuous()")
     max_length, max_new_tokens, pad, eos = (_setting(name, generate_kwargs, model) for name in (
         "max_length", "max_new_tokens", "pad_token_id", "eos_token_id"))
     eos = _eos_ids(eos)

@@ -269,6 +269,30 @@ def test_stop_strings_in_the_directory_form():
         target.generation_config.stop_strings = None
 
 
+def test_stop_strings_in_generate_continuous():
+    """generate_continuous passes the callable form, to which transformers does not forward `tokenizer`:
+    it failed asking for the tokenizer it was given. Each prompt now stops where plain generate() stops."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "evals"))
+    from tiny import tiny_pair
+
+    target, draft, tokenizer = tiny_pair()
+    prompts = [tokenizer(text, return_tensors="pt").input_ids for text in ("hello there", "the cat sat")]
+    free = target.generate(prompts[0], do_sample=False, max_new_tokens=20, eos_token_id=None)
+    stop = tokenizer.decode(free[0, prompts[0].shape[1] + 6])
+    plain = [target.generate(p, do_sample=False, max_new_tokens=20, eos_token_id=None, stop_strings=[stop],
+                             tokenizer=tokenizer)[0, p.shape[1]:].tolist() for p in prompts]
+    assert len(plain[0]) < 20  # the stop string does stop it
+    results = hf_specdec.generate_continuous(target, [p[0].tolist() for p in prompts], assistant=draft, do_sample=False,
+                                             max_new_tokens=20, eos_token_id=None, stop_strings=[stop], tokenizer=tokenizer)
+    assert [r.tokens.tolist() for r in results] == plain
+    with pytest.raises(ValueError, match=r"stop_strings needs the tokenizer: pass tokenizer=\.\.\. to generate_continuous"):
+        hf_specdec.generate_continuous(target, [prompts[0][0].tolist()], assistant=draft, max_new_tokens=5,
+                                       stop_strings=[stop])
+
+
 def test_an_explicit_draft_window_of_none_encodes_the_whole_prompt():
     """draft_window=None given to generate() means the whole prompt (None had meant "not given": the default)."""
     target = tiny_model("llama", seed=8)
@@ -1094,6 +1118,13 @@ def test_direct_calls_and_draft_sources_are_checked_as_generate_would():
     for bad, said in ((ids[None], "3-D torch.int64"), (ids.float(), "2-D torch.float32")):
         with pytest.raises(ValueError, match=f"input_ids must be a 2-D tensor of token ids.*{said}"):
             hf_specdec.speculative_generate(target, bad, None, None, GenerationConfig(max_length=10), assistant=draft)
+    for dtype in (torch.uint8, torch.int16):  # ran in some rounds and failed in the draft's embedding in others
+        for kwargs in ({}, dict(adaptive=False, num_draft_tokens=4)):
+            with pytest.raises(ValueError, match=f"int64 .torch.long. or int32 token ids, got {dtype}"):
+                target.generate(ids.to(dtype), max_new_tokens=4, custom_generate=hf_specdec.speculative_generate,
+                                assistant=draft, **kwargs)
+    out = target.generate(ids.int(), max_new_tokens=4, custom_generate=hf_specdec.speculative_generate, assistant=draft)
+    assert torch.equal(out, target.generate(ids, max_new_tokens=4, do_sample=False))
     with pytest.raises(ValueError, match="both assistant= and candidate_generator="):
         spec(target, draft, max_new_tokens=4, candidate_generator=hf_specdec.NgramDrafter())
     for mask in (torch.full((1, 6), 2), torch.full((1, 6), 0.5)):

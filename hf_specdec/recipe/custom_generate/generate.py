@@ -5,12 +5,11 @@ generate() arguments)`, so the standard names work here: `assistant_model=draft`
 It re-enters `model.generate` with the callable form, which does all of generate()'s preparation.
 """
 
-import copy
-
 import torch
 from transformers.generation.streamers import BaseStreamer
 
 import hf_specdec
+from hf_specdec.arguments import stop_strings_as_criteria
 
 
 def generate(model, assistant_model=None, streamer=None, **kwargs):
@@ -65,26 +64,10 @@ def _arguments(model, assistant_model, streamer, kwargs):
         raise ValueError("cache_implementation='paged' is transformers' continuous batching, which would run instead of "
                          "hf_specdec (without the draft); hf_specdec supports DynamicCache only: for many prompts use "
                          "hf_specdec.generate_continuous")
-    passed, default = kwargs.get("generation_config"), model.generation_config.stop_strings
+    passed = kwargs.get("generation_config")
     if kwargs.get("token_healing", getattr(passed or model.generation_config, "token_healing", False)):
         _heal(model, kwargs)
-    explicit = "stop_strings" in kwargs  # stop_strings=None turns the model's default off, as in plain generate()
-    strings = kwargs.pop("stop_strings", None)
-    if strings is None and not explicit:  # set in a GenerationConfig: the one passed, else the model's
-        strings = getattr(passed, "stop_strings", None) or default
-    if strings is not None:  # transformers drops `tokenizer` on the way to a callable: the criterion is built here
-        from transformers import StoppingCriteriaList, StopStringCriteria
-
-        if kwargs.get("tokenizer") is None:
-            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=... to generate()")
-        stop = StopStringCriteria(kwargs.pop("tokenizer"), strings)
-        kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
-        if getattr(passed, "stop_strings", None) is not None:
-            kwargs["generation_config"] = passed = copy.deepcopy(passed)
-            passed.stop_strings = None
-    if explicit or (strings is not None and default is not None):  # else transformers fills a config's back in
-        kwargs["stop_strings"] = None
-    return kwargs
+    return stop_strings_as_criteria(model, kwargs, "generate()")
 
 
 def _heal(model, kwargs):

@@ -433,6 +433,10 @@ def _check_call(model, prompts, assistant, max_batch_size, on_result, progress, 
     if "attention_mask" in generate_kwargs:
         raise ValueError("generate_continuous takes no attention_mask argument: give a padded prompt's mask in its "
                          "mapping, {'input_ids': ..., 'attention_mask': ...}, and its padding is dropped")
+    for name in ("input_ids", "inputs"):  # transformers' own error would name the first prompt
+        if name in generate_kwargs:
+            raise ValueError(f"generate_continuous takes no {name} argument: its prompts are the second argument, "
+                             "generate_continuous(model, prompts, ...)")
     check_arguments(dict(generate_kwargs, assistant=assistant))
     for name in ("return_dict_in_generate", "output_scores", "output_logits"):
         if _setting(name, generate_kwargs, model):

@@ -1134,6 +1134,9 @@ def test_direct_calls_and_draft_sources_are_checked_as_generate_would():
     result, = hf_specdec.generate_continuous(target, [{"input_ids": [5, 6, 7], "attention_mask": [0.5, 1, 1]}],
                                              assistant=draft, max_new_tokens=3)  # that request's error, as the docs say
     assert not result.ok and "attention_mask must hold 0" in str(result.error)
+    for name in ("input_ids", "inputs"):  # transformers' error named the first prompt as passed alongside input_ids
+        with pytest.raises(ValueError, match=f"generate_continuous takes no {name} argument"):
+            hf_specdec.generate_continuous(target, [[5, 6, 7]], assistant=draft, max_new_tokens=3, **{name: ids})
 
 
 def test_a_direct_call_without_processors_refuses_a_config_that_asks_for_some():
@@ -1189,7 +1192,8 @@ def test_a_direct_calls_own_arguments_and_the_sink_and_draft_are_named():
 
     for kwargs, said in ((dict(model="draft"), "takes a transformers causal LM"), (dict(window=2.5), "window must be"),
                          (dict(generator=5), "generator must be"),
-                         (dict(logits_processor="procs"), "logits_processor must be")):  # each failed inside the loop
+                         (dict(logits_processor="procs"), "logits_processor must be"),
+                         (dict(do_sample="no"), "do_sample must be True or False")):  # each failed inside the loop (or sampled)
         with pytest.raises(ValueError, match=said):
             DraftModelDrafter(**{"model": draft, "logits_processor": None, "do_sample": False, **kwargs})
 

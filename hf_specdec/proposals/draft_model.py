@@ -263,6 +263,8 @@ def _check_drafter_arguments(model, logits_processor, do_sample, generator, wind
         raise ValueError(f"logits_processor must be a LogitsProcessorList (or None), got {type(logits_processor).__name__}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator (or None), got {type(generator).__name__}")
+    if do_sample is not None and not isinstance(do_sample, bool):  # "no" would have sampled
+        raise ValueError(f"do_sample must be True or False, got {do_sample!r}")
     for name, value in (("window", window), ("vocab", vocab)):
         if value is not None:
             _check_int(name, as_int(value), 1)

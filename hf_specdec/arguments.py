@@ -655,7 +655,8 @@ def _validate_padding(mask: torch.Tensor | None, input_ids: torch.Tensor, pad_to
                              "token a row; plain generate() would start it from nothing)")
         hole = bool(mask[row, int(mask[row].int().argmax()):].int().diff().eq(1).any())  # a 0 then a 1 again
         what = "has padding between its tokens" if hole else "has padding after its tokens (right padding)"
-        if hole and isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
+        alone = input_ids.shape[0] == 1  # one prompt pads nothing: a pad id at its end is more likely a real token
+        if (hole or alone) and isinstance(pad_token_id, int) and torch.equal(mask[row], input_ids[row] != pad_token_id):
             inferred = (f" The mask marks every token {pad_token_id} (pad_token_id) as padding, as transformers infers "
                         "one when none is passed: if they are real tokens (a generated one), pass "
                         "attention_mask=torch.ones_like(input_ids).")

@@ -404,6 +404,9 @@ def test_a_right_padded_batch_is_refused_by_name(models):
     out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
                           custom_generate=hf_specdec.speculative_generate, assistant=draft)
     assert torch.equal(out, target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False))
+    ids = torch.tensor([[1, 5, 9, 0]])  # one prompt ending in the pad id: the same advice (it only blamed the padding side)
+    with pytest.raises(ValueError, match=r"right padding.*every token 0 \(pad_token_id\).*torch.ones_like"):
+        target.generate(ids, max_new_tokens=4, custom_generate=hf_specdec.speculative_generate, assistant=draft)
     left = torch.tensor([[1, 5, 7, 9], [0, 0, 1, 5]])  # left padding still runs
     target.generate(left, attention_mask=torch.tensor([[1, 1, 1, 1], [0, 0, 1, 1]]), max_new_tokens=4,
                     do_sample=False, custom_generate=hf_specdec.speculative_generate, assistant=draft)

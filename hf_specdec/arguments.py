@@ -696,7 +696,7 @@ REMOVED_SETTINGS = {
     **{name: "the planner has no such lever any more (docs/design.md)"
        for name in ("prefill_patience", "ngram_depths", "ngram_max_tokens", "ngram_match_cap", "tree_max_branches")},
     "ngram_max_size": "lookups match up to hf_specdec.config.NGRAM_MAX_SIZE (3) tokens; 2 instead changed nothing",
-    "draft_vocab_size": "the reduced-vocabulary draft head was removed (it did not pay on the standard preset)",
+    "draft_vocab_size": "the reduced-vocabulary draft head was removed (1.01x, 1.02x and 0.98x of the full head at batch 1, 2 and 4: within noise)",
     "draft_temperature": "the draft is warped exactly like the target (a setting off by default, never measured to pay); "
                          "a differently warped draft can be passed as candidate_generator=hf_specdec.DraftModelDrafter(...)",
 }

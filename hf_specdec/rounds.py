@@ -119,10 +119,11 @@ def propose(state: DecodeState) -> tuple[Proposal, Trace]:
     if state.lookup is not None:
         state.lookup.sync(batch.prompt_host, batch.generated, batch.rows)  # the rows' new tokens, for each other
     room = 0 if planner.measuring else batch.remaining() - 1  # a round emits at most k + 1 tokens a row
+    longest = batch.longest()  # host state: the positions the longest row has fed
     if state.max_positions is not None:  # a table of positions (GPT-2): fed tokens must not pass its last row
-        _check_positions(batch.longest(), state.max_positions)
-        room = min(room, state.max_positions - batch.longest())
-    draft_room = state.drafter.room(batch.longest())  # the draft's context length bounds it (None: no bound)
+        _check_positions(longest, state.max_positions)
+        room = min(room, state.max_positions - longest)
+    draft_room = state.drafter.room(longest)  # the draft's context length bounds it (None: no bound)
     request = DraftRequest(batch.ids, batch.mask, batch.prefixes(),
                            max(0, min(state.config.num_draft_tokens, room, room if draft_room is None else draft_room)),
                            batch.host_sequences(), confidences=planner.adaptive, generator=state.generator)
